@@ -1,0 +1,147 @@
+"""Read HF-format checkpoints lazily, one tensor slice at a time.
+
+Handles what `save_pretrained` and the original bigscience repos write: `model.safetensors`,
+`model.safetensors.index.json` + shards, `pytorch_model.bin`, `pytorch_model.bin.index.json` +
+shards, with or without the `transformer.` key prefix. safetensors slices are read with
+`get_slice` (only the bytes of that slice); `.bin` files are opened with `mmap=True,
+weights_only=True`, so slicing touches only the pages of that slice. What is not here: the
+sharded int8 format mpinfer writes (see `sharded.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+PREFIX = "transformer."
+# Tensors a BLOOM checkpoint may hold that the model does not use (the LM head is tied).
+IGNORED = ("lm_head.weight",)
+
+
+class CheckpointError(ValueError):
+    """The checkpoint on disk is missing, unreadable or does not match the model."""
+
+
+def read_config(model_dir: str | os.PathLike) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise CheckpointError(f"model directory {model_dir} does not exist")
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: not a model directory")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} cannot be read as JSON: {e}") from None
+
+
+def _strip(name: str) -> str:
+    return name[len(PREFIX) :] if name.startswith(PREFIX) else name
+
+
+class HFCheckpoint:
+    """Name -> (file, stored key) map over an HF checkpoint directory, read slice by slice."""
+
+    def __init__(self, model_dir: str | os.PathLike):
+        self.dir = Path(model_dir)
+        self._handles: dict[Path, object] = {}
+        self.files = self._find_files()
+        self._where: dict[str, tuple[Path, str]] = {}
+        for path, keys in self.files.items():
+            for key in keys:
+                if _strip(key) not in IGNORED:
+                    self._where[_strip(key)] = (path, key)
+
+    # -- discovery -----------------------------------------------------------------------------
+    def _find_files(self) -> dict[Path, list[str]]:
+        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            index = self.dir / index_name
+            if index.is_file():
+                try:
+                    weight_map = json.loads(index.read_text())["weight_map"]
+                except (OSError, json.JSONDecodeError, KeyError) as e:
+                    raise CheckpointError(f"{index} is not a valid index: {e}") from None
+                by_file: dict[Path, list[str]] = {}
+                for key, fname in weight_map.items():
+                    by_file.setdefault(self.dir / fname, []).append(key)
+                for path in by_file:
+                    if not path.is_file():
+                        raise CheckpointError(f"checkpoint file {path} (named in {index}) is missing")
+                    self._check_readable(path)
+                return by_file
+        for single in ("model.safetensors", "pytorch_model.bin"):
+            path = self.dir / single
+            if path.is_file():
+                return {path: self._keys_of(path)}
+        raise CheckpointError(
+            f"no weights in {self.dir}: expected model.safetensors, pytorch_model.bin "
+            "or an index (*.index.json)"
+        )
+
+    @staticmethod
+    def _check_readable(path: Path) -> None:
+        if not os.access(path, os.R_OK):
+            raise CheckpointError(f"checkpoint file {path} is not readable")
+
+    def _keys_of(self, path: Path) -> list[str]:
+        self._check_readable(path)
+        return list(self._open(path).keys())
+
+    def _open(self, path: Path):
+        handle = self._handles.get(path)
+        if handle is not None:
+            return handle
+        try:
+            if path.suffix == ".safetensors":
+                handle = safe_open(str(path), framework="pt")
+            else:
+                # mmap: tensors stay on disk until sliced; weights_only: no pickled code runs.
+                handle = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as e:  # safetensors and torch raise several types for a bad file
+            raise CheckpointError(f"checkpoint file {path} cannot be read: {e}") from None
+        self._handles[path] = handle
+        return handle
+
+    # -- reading -------------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        path, key = self._locate(name)
+        handle = self._open(path)
+        if path.suffix == ".safetensors":
+            return tuple(handle.get_slice(key).get_shape())
+        return tuple(handle[key].shape)
+
+    def _locate(self, name: str) -> tuple[Path, str]:
+        if name not in self._where:
+            raise CheckpointError(f"tensor {name} is missing from the checkpoint in {self.dir}")
+        return self._where[name]
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int = 0) -> torch.Tensor:
+        """The whole tensor, or rows/columns [start, stop) along `dim` (0 or 1); a fresh copy."""
+        path, key = self._locate(name)
+        handle = self._open(path)
+        try:
+            if path.suffix == ".safetensors":
+                sl = handle.get_slice(key)
+                if dim is None:
+                    return sl[:]
+                return sl[start:stop] if dim == 0 else sl[:, start:stop]
+            t = handle[key]
+            if dim is not None:
+                t = t[start:stop] if dim == 0 else t[:, start:stop]
+            return t.clone()  # detach from the mmap so the pages can go
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"reading {name} from {path} failed: {e}") from None
+
+    def nbytes(self) -> int:
+        return sum(p.stat().st_size for p in self.files)

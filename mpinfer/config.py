@@ -1,0 +1,212 @@
+"""Run configuration: frozen dataclasses read from TOML, with `--set section.key=value` overrides.
+
+What is here: the sections of DESIGN.md's config contract (model, quant, parallel, generation,
+server), strict parsing (an unknown key or a value of the wrong type is a `ValueError` naming the
+key), and the shared command-line options every entry point takes. What is not: the model's own
+architecture (that comes from the checkpoint's config.json, see `model.BloomShape`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANT_METHODS = ("int8", "llm.int8", "none")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""
+    # "auto": bfloat16 on CUDA, float32 on CPU.
+    dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    method: str = "int8"
+    # LLM.int8() outlier threshold (bitsandbytes); ignored by the other methods.
+    threshold: float = 6.0
+    # "none": embeddings and the tied LM head stay in the compute dtype; "int8": quantized too.
+    embeddings: str = "none"
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    # 0 means "the world size"; any other value must equal it.
+    tp_size: int = 0
+    # Seconds a collective may wait before the process group gives up (no rank hangs forever).
+    timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 32
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str = ""
+    max_batch_slots: int = 8
+    max_seq_len: int = 2048
+    max_queue: int = 128
+    shutdown_timeout: float = 30.0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def validate(self) -> RunConfig:
+        if self.model.dtype not in DTYPES:
+            raise ValueError(f"model.dtype={self.model.dtype!r}: expected one of {DTYPES}")
+        if self.quant.method not in QUANT_METHODS:
+            raise ValueError(f"quant.method={self.quant.method!r}: expected one of {QUANT_METHODS}")
+        if self.quant.embeddings not in ("none", "int8"):
+            raise ValueError(f"quant.embeddings={self.quant.embeddings!r}: expected 'none' or 'int8'")
+        if self.quant.threshold < 0:
+            raise ValueError(f"quant.threshold={self.quant.threshold} must be >= 0")
+        if self.parallel.tp_size < 0:
+            raise ValueError(f"parallel.tp_size={self.parallel.tp_size} must be >= 0")
+        if self.parallel.timeout_s <= 0:
+            raise ValueError(f"parallel.timeout_s={self.parallel.timeout_s} must be > 0")
+        g = self.generation
+        if g.max_new_tokens <= 0:
+            raise ValueError(f"generation.max_new_tokens={g.max_new_tokens} must be > 0")
+        if not (g.temperature >= 0 and math.isfinite(g.temperature)):
+            raise ValueError(f"generation.temperature={g.temperature} must be a finite number >= 0")
+        if g.top_k < 0:
+            raise ValueError(f"generation.top_k={g.top_k} must be >= 0")
+        if not 0 < g.top_p <= 1:
+            raise ValueError(f"generation.top_p={g.top_p} must be in (0, 1]")
+        if not g.repetition_penalty > 0:
+            raise ValueError(f"generation.repetition_penalty={g.repetition_penalty} must be > 0")
+        s = self.server
+        for key in ("max_batch_slots", "max_seq_len", "max_queue"):
+            if getattr(s, key) <= 0:
+                raise ValueError(f"server.{key}={getattr(s, key)} must be > 0")
+        return self
+
+
+def _check_type(key: str, value: Any, annotation: str) -> Any:
+    # Annotations are strings because of `from __future__ import annotations`.
+    if annotation == "bool":
+        if isinstance(value, bool):
+            return value
+    elif annotation == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif annotation == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif annotation == "str":
+        if isinstance(value, str):
+            return value
+    raise ValueError(f"config key {key}: expected {annotation}, got {type(value).__name__} {value!r}")
+
+
+def _build(data: dict[str, Any]) -> RunConfig:
+    sections = {}
+    for sec_field in dataclasses.fields(RunConfig):
+        sec_cls = sec_field.default_factory  # type: ignore[misc]
+        raw = data.get(sec_field.name, {})
+        if not isinstance(raw, dict):
+            raise ValueError(f"config section [{sec_field.name}] must be a table")
+        known = {f.name: f for f in dataclasses.fields(sec_cls)}
+        values = {}
+        for key, value in raw.items():
+            if key not in known:
+                raise ValueError(
+                    f"unknown config key {sec_field.name}.{key} (known: {', '.join(known)})"
+                )
+            values[key] = _check_type(f"{sec_field.name}.{key}", value, known[key].type)
+        sections[sec_field.name] = sec_cls(**values)
+    unknown = set(data) - set(sections)
+    if unknown:
+        raise ValueError(f"unknown config section(s): {', '.join(sorted(unknown))}")
+    return RunConfig(**sections).validate()
+
+
+def _parse_override(item: str) -> tuple[str, str, Any]:
+    if "=" not in item:
+        raise ValueError(f"--set {item!r}: expected section.key=value")
+    dotted, text = item.split("=", 1)
+    if dotted.count(".") != 1:
+        raise ValueError(f"--set {item!r}: the key must be section.key, got {dotted!r}")
+    section, key = dotted.split(".")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word is a string: --set model.path=/data/bloom
+    return section, key, value
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a TOML file (or nothing: all defaults) and apply `section.key=value` overrides."""
+    data: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file {path} does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {path} is not valid TOML: {e}") from None
+    for item in overrides:
+        section, key, value = _parse_override(item)
+        data.setdefault(section, {})
+        if not isinstance(data[section], dict):
+            raise ValueError(f"config section [{section}] must be a table")
+        data[section][key] = value
+    return _build(data)
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """The options every entry point shares (DESIGN.md section 1)."""
+    parser.add_argument("--config", help="TOML config file (configs/*.toml)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config key (repeatable)",
+    )
+    parser.add_argument("--model", help="model directory; shortcut for --set model.path=DIR")
+    parser.add_argument("--quant", choices=QUANT_METHODS, help="shortcut for --set quant.method=")
+    parser.add_argument("--dtype", choices=DTYPES, help="shortcut for --set model.dtype=")
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    overrides = list(args.overrides)
+    if args.model:
+        overrides.append(f"model.path={_toml_str(args.model)}")
+    if args.quant:
+        overrides.append(f"quant.method={_toml_str(args.quant)}")
+    if args.dtype:
+        overrides.append(f"model.dtype={_toml_str(args.dtype)}")
+    cfg = load_config(args.config, overrides)
+    if not cfg.model.path:
+        raise ValueError("no model: pass --model DIR or set model.path in the config")
+    return cfg
+
+
+def _toml_str(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'

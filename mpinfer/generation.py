@@ -1,0 +1,151 @@
+"""Batch generation on all ranks: sampling parameters, logits processors, the decode loop.
+
+Rank 0 owns the prompts and the sampling; every rank runs the same forwards. A batch of prompts
+of different lengths is left-padded into one prefill, then decoded together until every row has
+stopped (EOS or its max_new_tokens). Each row samples from its own seeded generator, so a seeded
+row gives the same tokens whatever else is in the batch. What is not here: continuous batching
+and streaming (the engine builds on the same pieces).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .dist import DistContext, broadcast_object
+from .loader import LoadedModel
+from .model import KVCache
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 32
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Completion:
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+
+
+def process_logits(
+    logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None
+) -> torch.Tensor:
+    """One row's logits (V,) float32 -> the processed logits sampling draws from.
+
+    Order as in transformers: repetition penalty, temperature, top-k, top-p. Removed tokens get
+    -inf. `seen` holds the token ids (prompt and generated) the repetition penalty applies to.
+    """
+    if params.repetition_penalty != 1.0 and seen is not None and seen.numel():
+        picked = logits[seen]
+        picked = torch.where(
+            picked < 0, picked * params.repetition_penalty, picked / params.repetition_penalty
+        )
+        logits = logits.scatter(0, seen, picked)
+    if not params.do_sample:
+        return logits
+    if params.temperature not in (0.0, 1.0):
+        logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # Drop a token when the mass before it already reaches top_p; the first always stays.
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def choose_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    if not params.do_sample or params.temperature == 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+class RowSampler:
+    """One request's sampling state on rank 0: its parameters, its generator, its history."""
+
+    def __init__(self, prompt: list[int], params: SamplingParams, device: torch.device):
+        self.params = params
+        self.seen = torch.tensor(prompt, dtype=torch.long, device=device)
+        self.gen = None
+        if params.do_sample:
+            self.gen = torch.Generator(device=device)
+            self.gen.manual_seed(params.seed)
+
+    def next_token(self, logits: torch.Tensor) -> int:
+        logits = process_logits(logits.float(), self.params, self.seen)
+        token = choose_token(logits, self.params, self.gen)
+        self.seen = torch.cat([self.seen, self.seen.new_tensor([token])])
+        return token
+
+
+def generate(
+    loaded: LoadedModel,
+    ctx: DistContext,
+    prompts: list[list[int]] | None,
+    params: list[SamplingParams] | None,
+) -> list[Completion] | None:
+    """Run on every rank; rank 0 passes the prompts and gets the completions (others: None)."""
+    prompts, params = broadcast_object((prompts, params), ctx)
+    model, shape, device = loaded.model, loaded.shape, loaded.device
+    B = len(prompts)
+    longest = max(len(p) for p in prompts)
+    if min(len(p) for p in prompts) == 0:
+        raise ValueError("a prompt has no tokens")
+    max_seq = longest + max(p.max_new_tokens for p in params)
+    cache = KVCache.allocate(
+        shape, loaded.tp.tp_size, slots=B, max_seq=max_seq, dtype=loaded.dtype, device=device
+    )
+    ids = torch.full((B, longest), shape.pad_token_id, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, longest - len(p) :] = torch.tensor(p)  # left padding
+    valid_from = torch.tensor([longest - len(p) for p in prompts], device=device)
+    slots = torch.arange(B, device=device)
+    out = [Completion(list(p)) for p in prompts]
+    samplers = [RowSampler(p, sp, device) for p, sp in zip(prompts, params)] if ctx.is_rank0 else []
+
+    logits = model(
+        ids.to(device), cache, slots=slots, start_pos=torch.zeros_like(slots),
+        valid_from=valid_from, kv_len=longest,
+    )  # fmt: skip
+    pos = longest
+    while True:
+        # (B + 1,): the next token of each row, then 1 while any row is still going.
+        step = torch.zeros(B + 1, dtype=torch.long, device=device)
+        if ctx.is_rank0:
+            for b in range(B):
+                if out[b].finish_reason:
+                    step[b] = shape.pad_token_id
+                    continue
+                token = samplers[b].next_token(logits[b])
+                out[b].token_ids.append(token)
+                step[b] = token
+                if token == shape.eos_token_id:
+                    out[b].finish_reason = "eos"
+                elif len(out[b].token_ids) >= params[b].max_new_tokens:
+                    out[b].finish_reason = "length"
+            step[B] = int(not all(c.finish_reason for c in out))
+        if ctx.world_size > 1:
+            dist.broadcast(step, src=0, group=ctx.compute_group)
+        if not int(step[B]):
+            break
+        logits = model(
+            step[:B, None], cache, slots=slots, start_pos=torch.full_like(slots, pos),
+            valid_from=valid_from, kv_len=pos + 1,
+        )  # fmt: skip
+        pos += 1
+    return out if ctx.is_rank0 else None

@@ -1,0 +1,233 @@
+"""load_model(): a meta model on every rank, real weights by assignment.
+
+The rank-0 path (an HF checkpoint): rank 0 reads config.json and checks the checkpoint against
+it, then all ranks agree (or all raise the same error). Every rank builds the model on the meta
+device. Rank 0 walks the plan tensor by tensor, reads only each rank's slice, quantizes it, and
+sends rank r exactly its slice over the gloo `weights` group; replicated tensors are broadcast.
+At most two slices are in flight on rank 0 (one being sent, the next being read), so host RAM
+grows with the largest slice, not with the model. Each rank copies what it receives to its
+device and drops the host buffer.
+
+What is not here: the sharded-checkpoint fast path (sharded.py), the TP plan (plan.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .checkpoint import CheckpointError, HFCheckpoint, read_config
+from .config import RunConfig
+from .dist import DistContext, broadcast_object, gather_objects, peak_host_rss_mb
+from .layers import TPGroup
+from .model import BloomModel
+from .plan import BloomShape, TensorPlan, plan_model, shard_tensor
+from .quant import make_linear_method
+
+log = logging.getLogger("mpinfer")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: BloomModel
+    shape: BloomShape
+    tp: TPGroup
+    dtype: torch.dtype
+    device: torch.device
+    model_dir: str
+    load_seconds: float = 0.0
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def resolve_tp_size(cfg: RunConfig, world_size: int) -> int:
+    tp = cfg.parallel.tp_size or world_size
+    if tp != world_size:
+        raise ValueError(
+            f"parallel.tp_size={tp} does not match the world size {world_size} "
+            "(torchrun --nproc-per-node); mpinfer runs one tensor-parallel group over all ranks"
+        )
+    return tp
+
+
+def build_meta_model(shape: BloomShape, tp: TPGroup, cfg: RunConfig, dtype) -> BloomModel:
+    """The whole model on the meta device: shapes and dtypes only, no memory, no init."""
+    method = make_linear_method(cfg.quant.method, threshold=cfg.quant.threshold)
+    emb_method = make_linear_method("int8" if cfg.quant.embeddings == "int8" else "none")
+    with torch.device("meta"):
+        return BloomModel(shape, tp, method=method, embedding_method=emb_method, dtype=dtype)
+
+
+def plans_for(shape: BloomShape, tp_size: int, cfg: RunConfig) -> list[TensorPlan]:
+    return plan_model(
+        shape,
+        tp_size,
+        quantize=cfg.quant.method != "none",
+        quantize_embeddings=cfg.quant.embeddings == "int8",
+    )
+
+
+def assign_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Replace the meta parameter `name` with `tensor` (already on the device)."""
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    old = getattr(module, attr)
+    assert old.shape == tensor.shape and old.dtype == tensor.dtype, (
+        f"{name}: planned {tuple(old.shape)} {old.dtype}, got {tuple(tensor.shape)} {tensor.dtype}"
+    )
+    setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+
+
+def finish_model(model: BloomModel, device: torch.device) -> None:
+    """Check nothing is left on meta, then run the per-layer and per-model hooks."""
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise RuntimeError(f"{len(left)} parameters were never loaded, e.g. {left[:3]}")
+    for module in model.modules():
+        method = getattr(module, "method", None)
+        if method is not None:
+            method.after_load(module)
+    model.after_load(device)
+
+
+def check_checkpoint(ckpt: HFCheckpoint, plans: list[TensorPlan]) -> None:
+    for plan in plans:
+        if plan.name not in ckpt:
+            raise CheckpointError(f"tensor {plan.name} is missing from the checkpoint in {ckpt.dir}")
+        found = ckpt.shape(plan.name)
+        if tuple(found) != plan.shape:
+            raise CheckpointError(
+                f"tensor {plan.name} has shape {tuple(found)} in the checkpoint, "
+                f"but config.json implies {plan.shape}"
+            )
+
+
+def agree_on_model(cfg: RunConfig, ctx: DistContext) -> tuple[BloomShape, int, HFCheckpoint | None]:
+    """Rank 0 reads and checks config.json and the checkpoint; every rank gets the verdict."""
+    error, config_dict, ckpt = None, None, None
+    if ctx.is_rank0:
+        try:
+            config_dict = read_config(cfg.model.path)
+            shape = BloomShape.from_config(config_dict)
+            tp_size = resolve_tp_size(cfg, ctx.world_size)
+            shape.check_tp(tp_size)
+            ckpt = HFCheckpoint(cfg.model.path)
+            check_checkpoint(ckpt, plans_for(shape, tp_size, cfg))
+        except ValueError as e:
+            error = str(e)
+    error, config_dict = broadcast_object((error, config_dict), ctx)
+    if error:
+        raise ValueError(error)
+    shape = BloomShape.from_config(config_dict)
+    return shape, resolve_tp_size(cfg, ctx.world_size), ckpt
+
+
+def _send(t: torch.Tensor, dst: int, ctx: DistContext):
+    # Raw bytes: gloo point-to-point does not care about dtype, and int8/bf16 travel as they are.
+    return dist.isend(t.contiguous().view(torch.uint8).reshape(-1), dst=dst, group=ctx.weights_group)
+
+
+def _recv(shape, dtype, ctx: DistContext) -> torch.Tensor:
+    buf = torch.empty(torch.Size(shape).numel() * dtype.itemsize, dtype=torch.uint8)
+    dist.recv(buf, src=0, group=ctx.weights_group)
+    return buf.view(dtype).reshape(shape)
+
+
+def _broadcast(t: torch.Tensor | None, shape, dtype, ctx: DistContext) -> torch.Tensor:
+    if ctx.world_size == 1:
+        return t
+    if ctx.is_rank0:
+        buf = t.contiguous().view(torch.uint8).reshape(-1)
+    else:
+        buf = torch.empty(torch.Size(shape).numel() * dtype.itemsize, dtype=torch.uint8)
+    dist.broadcast(buf, src=0, group=ctx.weights_group)
+    return buf.view(dtype).reshape(shape)
+
+
+def _stream_rank0(model, plans, ckpt: HFCheckpoint, tp_size, dtype, ctx: DistContext) -> None:
+    from tqdm import tqdm
+
+    total = sum(torch.Size(p.shape).numel() for p in plans)
+    bar = tqdm(total=total, unit="param", unit_scale=True, desc="loading", mininterval=1.0)
+    pending, held = [], None
+    for plan in plans:
+        if plan.split == "replicate":
+            tensors = shard_tensor(plan, ckpt.read(plan.name), tp_size, dtype)
+            for name, t in tensors.items():
+                assign_tensor(model, name, _broadcast(t, t.shape, t.dtype, ctx).to(ctx.device))
+        else:
+            for r in range(tp_size):
+                rng = plan.rank_range(r, tp_size)
+                piece = ckpt.read(plan.name, *rng) if rng else ckpt.read(plan.name)
+                tensors = shard_tensor(plan, piece, tp_size, dtype)
+                del piece
+                for w in pending:  # the previous slice is on its way; now let it go
+                    w.wait()
+                pending = []
+                if r == 0:
+                    for name, t in tensors.items():
+                        assign_tensor(model, name, t.to(ctx.device))
+                else:
+                    pending = [_send(t, r, ctx) for t in tensors.values()]
+                    held = tensors  # keep the buffers alive until their sends complete
+        bar.update(torch.Size(plan.shape).numel())
+    for w in pending:
+        w.wait()
+    del held
+    bar.close()
+
+
+def _stream_other(model, plans, tp_size, dtype, ctx: DistContext) -> None:
+    for plan in plans:
+        names = [plan.name] + ([plan.name + "_scale"] if plan.quantize else [])
+        for name in names:
+            meta = model.get_parameter(name)
+            if plan.split == "replicate":
+                t = _broadcast(None, meta.shape, meta.dtype, ctx)
+            else:
+                t = _recv(meta.shape, meta.dtype, ctx)
+            assign_tensor(model, name, t.to(ctx.device))
+
+
+def load_model(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
+    """Load `cfg.model.path` onto every rank of `ctx` (an HF checkpoint or a sharded one)."""
+    from . import sharded
+
+    if sharded.is_sharded(cfg.model.path, ctx):
+        return sharded.load_sharded(cfg, ctx)
+    t0 = time.perf_counter()
+    shape, tp_size, ckpt = agree_on_model(cfg, ctx)
+    dtype = resolve_dtype(cfg.model.dtype, ctx.device)
+    tp = TPGroup(ctx.rank, tp_size, ctx.compute_group if tp_size > 1 else None)
+    model = build_meta_model(shape, tp, cfg, dtype)
+    plans = plans_for(shape, tp_size, cfg)
+    if ctx.is_rank0:
+        log.info(
+            "loading %s (%.2f GB on disk) with tp=%d, quant=%s, dtype=%s",
+            cfg.model.path, ckpt.nbytes() / 1e9, tp_size, cfg.quant.method, str(dtype)[6:],
+        )  # fmt: skip
+        _stream_rank0(model, plans, ckpt, tp_size, dtype, ctx)
+    else:
+        _stream_other(model, plans, tp_size, dtype, ctx)
+    finish_model(model, ctx.device)
+    return _report(LoadedModel(model, shape, tp, dtype, ctx.device, cfg.model.path), t0, ctx)
+
+
+def _report(loaded: LoadedModel, t0: float, ctx: DistContext) -> LoadedModel:
+    loaded.load_seconds = time.perf_counter() - t0
+    peaks = gather_objects(peak_host_rss_mb(), ctx)
+    if ctx.is_rank0:
+        per_rank = ", ".join(f"rank {r}: {mb:.0f} MiB" for r, mb in enumerate(peaks))
+        log.info("loaded in %.2f s; peak host RAM %s", loaded.load_seconds, per_rank)
+    return loaded

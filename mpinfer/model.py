@@ -1,0 +1,189 @@
+"""BLOOM, tensor-parallel and int8-native, with a static KV cache.
+
+Attribute names copy the HF checkpoint (`h.3.self_attention.query_key_value.weight`), so a
+state dict maps one to one. Built on the meta device; the loader assigns real tensors. What is
+not here: loading (loader.py), sampling (generation.py), the TP plan (plan.py).
+
+One forward serves prefill and decode for any set of cache slots: row b writes its T new tokens
+at cache positions [start_pos[b], start_pos[b] + T) of slot slots[b] and attends to positions
+[valid_from[b], start_pos[b] + t]; positions before valid_from[b] are left padding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .dist import divide
+from .layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+)
+from .plan import BloomShape
+from .quant import DenseMethod, LinearMethod
+
+
+def alibi_slopes(n_head: int) -> torch.Tensor:
+    """The ALiBi slope of every global head (BLOOM's schedule, including non-power-of-2 counts)."""
+    closest = 2 ** math.floor(math.log2(n_head))
+    base = 2 ** (-(2 ** -(math.log2(closest) - 3)))
+    slopes = [base**p for p in range(1, closest + 1)]
+    if closest != n_head:
+        extra_base = 2 ** (-(2 ** -(math.log2(2 * closest) - 3)))
+        remaining = min(closest, n_head - closest)
+        slopes += [extra_base**p for p in range(1, 1 + 2 * remaining, 2)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def bloom_gelu(x: torch.Tensor) -> torch.Tensor:
+    # BLOOM's tanh approximation, written out as the reference implementation has it.
+    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+
+@dataclass
+class KVCache:
+    """Per layer K and V, each (slots, max_seq, heads_per_rank, head_dim).
+
+    Sequence before heads (not DESIGN's heads-first) so that writing T new tokens of B rows is one
+    index_put over (slot, position) pairs.
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, shape: BloomShape, tp_size: int, *, slots: int, max_seq: int, dtype, device):
+        heads = shape.n_head // tp_size
+        dims = (slots, max_seq, heads, shape.head_dim)
+        k = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.n_layer)]
+        v = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.n_layer)]
+        return cls(k, v)
+
+    @property
+    def slots(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def max_seq(self) -> int:
+        return self.k[0].shape[1]
+
+
+class BloomAttention(nn.Module):
+    def __init__(self, shape: BloomShape, tp: TPGroup, method: LinearMethod, dtype):
+        super().__init__()
+        h = shape.hidden_size
+        self.num_heads_per_rank = divide(shape.n_head, tp.tp_size, "n_head")
+        self.head_dim = shape.head_dim
+        self.query_key_value = ColumnParallelLinear(h, 3 * h, tp=tp, method=method, dtype=dtype)
+        self.dense = RowParallelLinear(h, h, tp=tp, method=method, dtype=dtype)
+
+    def forward(self, x, bias, k_cache, v_cache, slots, positions, kv_len):
+        B, T, _ = x.shape
+        qkv = self.query_key_value(x)  # (B, T, heads_per_rank * 3 * head_dim)
+        qkv = qkv.view(B, T, self.num_heads_per_rank, 3, self.head_dim)
+        q, k, v = qkv.unbind(dim=3)  # each (B, T, heads_per_rank, head_dim)
+        k_cache[slots[:, None], positions] = k
+        v_cache[slots[:, None], positions] = v
+        keys = k_cache[slots, :kv_len].transpose(1, 2)  # (B, heads_per_rank, L, head_dim)
+        values = v_cache[slots, :kv_len].transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=bias)
+        out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, heads_per_rank * head_dim)
+        return self.dense(out)
+
+
+class BloomMLP(nn.Module):
+    def __init__(self, shape: BloomShape, tp: TPGroup, method: LinearMethod, dtype):
+        super().__init__()
+        h = shape.hidden_size
+        self.dense_h_to_4h = ColumnParallelLinear(h, 4 * h, tp=tp, method=method, dtype=dtype)
+        self.dense_4h_to_h = RowParallelLinear(4 * h, h, tp=tp, method=method, dtype=dtype)
+
+    def forward(self, x):
+        return self.dense_4h_to_h(bloom_gelu(self.dense_h_to_4h(x)))
+
+
+class BloomBlock(nn.Module):
+    def __init__(self, shape: BloomShape, tp: TPGroup, method: LinearMethod, dtype):
+        super().__init__()
+        h, eps = shape.hidden_size, shape.layer_norm_epsilon
+        self.post_ln_residual = shape.apply_residual_connection_post_layernorm
+        self.input_layernorm = nn.LayerNorm(h, eps=eps, dtype=dtype)
+        self.self_attention = BloomAttention(shape, tp, method, dtype)
+        self.post_attention_layernorm = nn.LayerNorm(h, eps=eps, dtype=dtype)
+        self.mlp = BloomMLP(shape, tp, method, dtype)
+
+    def forward(self, x, bias, k_cache, v_cache, slots, positions, kv_len):
+        ln = self.input_layernorm(x)
+        residual = ln if self.post_ln_residual else x
+        x = self.self_attention(ln, bias, k_cache, v_cache, slots, positions, kv_len) + residual
+        ln = self.post_attention_layernorm(x)
+        residual = ln if self.post_ln_residual else x
+        return self.mlp(ln) + residual
+
+
+class BloomModel(nn.Module):
+    def __init__(
+        self,
+        shape: BloomShape,
+        tp: TPGroup,
+        *,
+        method: LinearMethod,
+        embedding_method: LinearMethod | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        self.shape, self.tp, self.dtype = shape, tp, dtype
+        h = shape.hidden_size
+        self.word_embeddings = VocabParallelEmbedding(
+            shape.vocab_size, h, tp=tp, method=embedding_method or DenseMethod(), dtype=dtype
+        )
+        self.word_embeddings_layernorm = nn.LayerNorm(h, eps=shape.layer_norm_epsilon, dtype=dtype)
+        self.h = nn.ModuleList(BloomBlock(shape, tp, method, dtype) for _ in range(shape.n_layer))
+        self.ln_f = nn.LayerNorm(h, eps=shape.layer_norm_epsilon, dtype=dtype)
+        self.lm_head = ParallelLMHead(self.word_embeddings)
+        self.slopes: torch.Tensor | None = None
+
+    def after_load(self, device: torch.device) -> None:
+        """Per-rank constants that are not weights: this rank's ALiBi slopes."""
+        heads = self.shape.n_head // self.tp.tp_size
+        start = self.tp.tp_rank * heads
+        self.slopes = alibi_slopes(self.shape.n_head)[start : start + heads].to(device)
+
+    def attention_bias(self, positions, valid_from, kv_len):
+        """ALiBi + mask, (B, heads_per_rank, T, L): slope * (key position - valid_from)."""
+        key_pos = torch.arange(kv_len, device=positions.device)
+        valid = (key_pos >= valid_from[:, None, None]) & (key_pos <= positions[:, :, None])
+        distance = (key_pos[None, :] - valid_from[:, None]).to(self.dtype)  # (B, L)
+        bias = self.slopes.to(self.dtype)[None, :, None, None] * distance[:, None, None, :]
+        bias = bias.expand(-1, -1, positions.shape[1], -1)
+        return bias.masked_fill(~valid[:, None], torch.finfo(self.dtype).min)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        *,
+        slots: torch.Tensor,
+        start_pos: torch.Tensor,
+        valid_from: torch.Tensor,
+        kv_len: int,
+        last_only: bool = True,
+    ) -> torch.Tensor:
+        """input_ids (B, T) -> logits (B, vocab) for the last token, or (B, T, vocab)."""
+        T = input_ids.shape[1]
+        positions = start_pos[:, None] + torch.arange(T, device=input_ids.device)  # (B, T)
+        bias = self.attention_bias(positions, valid_from, kv_len)
+        x = self.word_embeddings_layernorm(self.word_embeddings(input_ids))  # (B, T, hidden)
+        for i, block in enumerate(self.h):
+            x = block(x, bias, cache.k[i], cache.v[i], slots, positions, kv_len)
+        if last_only:
+            x = x[:, -1]
+        return self.lm_head(self.ln_f(x))

@@ -1,0 +1,144 @@
+"""int8 weight format and the linear methods that own a layer's matmul.
+
+Format: symmetric int8 per output row, `scale = absmax / 127` (float32), `w ~= q * scale[:, None]`.
+A TP layer (layers.py) owns slicing and its one collective; a `LinearMethod` owns the weights'
+storage and the matmul, vLLM's `quant_method.apply` split:
+
+    DenseMethod   compute-dtype weight, F.linear
+    Int8Method    weight-only int8 (W8A16): int8 weight + row scales; the pure-torch reference
+                  here, the Triton kernels (kernels/) on CUDA when they are available
+    BnbInt8Method bitsandbytes LLM.int8() (int8 activations, fp16 outlier columns); the same
+                  stored int8 + scales, so one sharded file serves both int8 methods
+
+What is not here: slicing (plan.py) and collectives (layers.py).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [out, in], scale float32 [out]); an all-zero row gets scale 1 and q 0."""
+    w = w.float()
+    absmax = w.abs().amax(dim=-1)
+    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float()[:, None]
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    # Built under torch.device("meta") by the model; the loader assigns real tensors.
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+
+class LinearMethod(ABC):
+    """Creates a layer's weight storage and computes `x @ W^T (+ bias)` for it."""
+
+    is_quantized = False
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, out_features: int, in_features: int, dtype):
+        """Set the layer's (meta) parameters for a [out_features, in_features] weight."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x (..., in_features) -> (..., out_features)."""
+
+    def after_load(self, layer: nn.Module) -> None:
+        """Hook once real tensors are in place (e.g. build a backend's state)."""
+
+    @abstractmethod
+    def weight_rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight in the compute dtype (embedding lookup of a tied weight)."""
+
+
+class DenseMethod(LinearMethod):
+    def create_weights(self, layer, out_features, in_features, dtype):
+        layer.weight = _empty((out_features, in_features), dtype)
+
+    def apply(self, layer, x, bias):
+        return F.linear(x, layer.weight, bias)
+
+    def weight_rows(self, layer, ids):
+        return F.embedding(ids, layer.weight)
+
+
+class Int8Method(LinearMethod):
+    is_quantized = True
+
+    def __init__(self, *, use_kernels: bool = True):
+        self.use_kernels = use_kernels
+
+    def create_weights(self, layer, out_features, in_features, dtype):
+        layer.weight = _empty((out_features, in_features), torch.int8)
+        layer.weight_scale = _empty((out_features,), torch.float32)
+        layer.compute_dtype = dtype
+
+    def apply(self, layer, x, bias):
+        if self.use_kernels and x.is_cuda:
+            from .kernels import int8_linear  # lazy: Triton is imported on GPU machines only
+
+            return int8_linear(x, layer.weight, layer.weight_scale, bias)
+        return int8_linear_reference(x, layer.weight, layer.weight_scale, bias)
+
+    def weight_rows(self, layer, ids):
+        rows = F.embedding(ids, layer.weight).to(layer.compute_dtype)
+        return rows * F.embedding(ids, layer.weight_scale[:, None]).to(layer.compute_dtype)
+
+
+def int8_linear_reference(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The pure-torch W8A16 matmul every kernel is compared with: (x @ q^T) * scale + bias."""
+    y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
+    return y + bias if bias is not None else y
+
+
+class BnbInt8Method(Int8Method):
+    """bitsandbytes LLM.int8(): activations quantized per row, outlier columns kept in fp16."""
+
+    def __init__(self, *, threshold: float):
+        super().__init__(use_kernels=False)
+        self.threshold = threshold
+
+    def after_load(self, layer):
+        from bitsandbytes.autograd._functions import MatmulLtState
+
+        state = MatmulLtState()
+        state.CB = layer.weight.data
+        state.SCB = (layer.weight_scale.data * 127.0).float()  # bnb keeps the row absmax
+        state.has_fp16_weights = False
+        state.threshold = self.threshold
+        state.is_training = False
+        layer.bnb_state = state
+
+    def apply(self, layer, x, bias):
+        import bitsandbytes as bnb
+
+        # bitsandbytes quantizes activations from fp16 (and warns on any other dtype).
+        y = bnb.matmul(x.half(), layer.weight, state=layer.bnb_state, threshold=self.threshold)
+        y = y.to(x.dtype)
+        return y + bias if bias is not None else y
+
+
+def make_linear_method(method: str, *, threshold: float = 6.0) -> LinearMethod:
+    if method == "none":
+        return DenseMethod()
+    if method == "int8":
+        return Int8Method()
+    if method == "llm.int8":
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"quant.method='llm.int8' needs bitsandbytes, which failed: {e}") from None
+        return BnbInt8Method(threshold=threshold)
+    raise ValueError(f"quant.method={method!r}: expected int8, llm.int8 or none")

@@ -1,0 +1,182 @@
+"""make-tiny: random BLOOM checkpoints in HF layout, with a tokenizer trained here.
+
+The files are those a real checkpoint has: config.json; model.safetensors or pytorch_model.bin,
+or several shards with a `*.index.json`; tokenizer.json + tokenizer_config.json (byte-level BPE
+trained with `tokenizers` on a generated corpus), loadable by `AutoTokenizer.from_pretrained`.
+Keys carry the `transformer.` prefix, as `save_pretrained` writes them (or not, with
+`prefix=False`, as the original bigscience repos have them). Weights are scaled so that logits
+are far from uniform: greedy decoding then depends on every weight, and tests mean something.
+Shards are generated and written one at a time, so a multi-GB checkpoint needs little RAM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .plan import BloomShape, plan_model
+
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3, as BLOOM has them
+WORDS = (
+    "the of and to in is was for on that with as by at from it his an were are which this be "
+    "capital city france paris river king queen model token weight matrix rank group tensor "
+    "server request stream answer question prompt number time year people world water light "
+    "café naïve résumé 東京 日本語 données größe ñandú"
+).split()
+
+
+def _corpus(seed: int, n_lines: int = 4000) -> list[str]:
+    rng = random.Random(seed)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "ta", "shi", "po", "va", "de", "an", "or", "el"]
+    vocab = WORDS + [
+        "".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(3000)
+    ]
+    lines = []
+    for _ in range(n_lines):
+        words = [rng.choice(vocab) for _ in range(rng.randint(4, 16))]
+        line = " ".join(words).capitalize() + rng.choice([".", ",", "?", "!", ":", ";"])
+        if rng.random() < 0.2:
+            line += f" {rng.randint(0, 99999)}"
+        lines.append(line)
+    return lines
+
+
+def train_tokenizer(out: Path, vocab_size: int, seed: int) -> int:
+    """Byte-level BPE with BLOOM's special tokens; returns the tokenizer's vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    tok.save(str(out / "tokenizer.json"))
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": "<unk>",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+        "padding_side": "left",
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1 << 20,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    special = {k: tok_config[k] for k in ("unk_token", "bos_token", "eos_token", "pad_token")}
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    return tok.get_vocab_size()
+
+
+def bloom_config(shape: BloomShape, dtype: str) -> dict:
+    return {
+        "architectures": ["BloomForCausalLM"],
+        "model_type": "bloom",
+        "vocab_size": shape.vocab_size,
+        "hidden_size": shape.hidden_size,
+        "n_layer": shape.n_layer,
+        "n_head": shape.n_head,
+        "layer_norm_epsilon": shape.layer_norm_epsilon,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 3,
+        "unk_token_id": 0,
+        "apply_residual_connection_post_layernorm": False,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "pretraining_tp": 1,
+        "slow_but_exact": False,
+        "tie_word_embeddings": True,
+        "dtype": dtype,
+    }
+
+
+def _random_tensor(name: str, shp: tuple[int, ...], hidden: int, gen: torch.Generator):
+    if name.endswith("layernorm.weight") or name.startswith("ln_f.weight"):
+        return 1.0 + 0.2 * torch.randn(shp, generator=gen)
+    if name.endswith(".bias"):
+        return 0.1 * torch.randn(shp, generator=gen)
+    if name == "word_embeddings.weight":
+        # logits = ln_f(h) @ E^T: with unit-variance h, a row std of 2.5/sqrt(hidden) gives
+        # logits of std ~2.5: far from uniform, yet not a one-hot that hides a wrong hidden state.
+        return (2.5 / hidden**0.5) * torch.randn(shp, generator=gen)
+    return (1.0 / shp[1] ** 0.5) * torch.randn(shp, generator=gen)
+
+
+def make_tiny(
+    out: str | os.PathLike,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    vocab: int = 1024,
+    shards: int = 1,
+    fmt: str = "safetensors",
+    seed: int = 0,
+    dtype: str = "float32",
+    prefix: bool = True,
+    tokenizer_vocab: int | None = None,
+) -> Path:
+    """Write a random BLOOM checkpoint directory; returns its path."""
+    if fmt not in ("safetensors", "bin"):
+        raise ValueError(f"--format={fmt!r}: expected safetensors or bin")
+    if shards < 1:
+        raise ValueError(f"--shards={shards} must be >= 1")
+    if hidden % heads:
+        raise ValueError(f"--hidden={hidden} is not divisible by --heads={heads}")
+    if vocab < 300:
+        raise ValueError(f"--vocab={vocab} must be >= 300 (256 byte tokens + specials + merges)")
+    torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if dtype not in torch_dtype:
+        raise ValueError(f"--dtype={dtype!r}: expected one of {list(torch_dtype)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shape = BloomShape(vocab_size=vocab, hidden_size=hidden, n_layer=layers, n_head=heads)
+    (out / "config.json").write_text(json.dumps(bloom_config(shape, dtype), indent=2) + "\n")
+    train_tokenizer(out, min(vocab, tokenizer_vocab or 8192), seed)
+
+    plans = plan_model(shape, 1, quantize=False, quantize_embeddings=False)
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(torch.Size(p.shape).numel() for p in plans) * torch_dtype[dtype].itemsize
+    per_shard = -(-total // shards)
+    stem, ext = ("model", "safetensors") if fmt == "safetensors" else ("pytorch_model", "bin")
+    weight_map: dict[str, str] = {}
+    buffer: dict[str, torch.Tensor] = {}
+    filled, written = 0, 0
+
+    def flush() -> None:
+        nonlocal buffer, filled, written
+        written += 1
+        fname = f"{stem}.{ext}" if shards == 1 else f"{stem}-{written:05d}-of-{shards:05d}.{ext}"
+        if fmt == "safetensors":
+            save_file(buffer, str(out / fname), metadata={"format": "pt"})
+        else:
+            torch.save(buffer, out / fname)
+        weight_map.update({k: fname for k in buffer})
+        buffer, filled = {}, 0
+
+    for plan in plans:
+        t = _random_tensor(plan.name, plan.shape, hidden, gen).to(torch_dtype[dtype])
+        buffer[("transformer." if prefix else "") + plan.name] = t.contiguous()
+        filled += t.numel() * t.element_size()
+        if filled >= per_shard and written < shards - 1:
+            flush()
+    flush()
+    if written != shards:
+        raise ValueError(f"--shards={shards} is more than this model's {written} tensor groups")
+    if shards > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / f"{stem}.{ext}.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return out
