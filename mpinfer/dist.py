@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import resource
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,11 +101,6 @@ def gather_objects(obj: Any, ctx: DistContext) -> list[Any] | None:
     out = [None] * ctx.world_size if ctx.is_rank0 else None
     dist.gather_object(obj, out, dst=0, group=ctx.weights_group)
     return out
-
-
-def peak_host_rss_mb() -> float:
-    """Peak resident set size of this process in MiB (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def raise_everywhere(error: str | None, ctx: DistContext) -> None:

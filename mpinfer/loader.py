@@ -23,8 +23,9 @@ from torch import nn
 
 from .checkpoint import CheckpointError, HFCheckpoint, read_config
 from .config import RunConfig
-from .dist import DistContext, broadcast_object, gather_objects, peak_host_rss_mb
+from .dist import DistContext, broadcast_object, gather_objects
 from .layers import TPGroup
+from .memory import HostMemoryMonitor, return_large_frees_to_os
 from .model import BloomModel
 from .plan import BloomShape, TensorPlan, plan_model, shard_tensor
 from .quant import make_linear_method
@@ -43,6 +44,8 @@ class LoadedModel:
     device: torch.device
     model_dir: str
     load_seconds: float = 0.0
+    # Every rank's (start, peak, end) anonymous host RSS in MiB during the load; rank 0 only.
+    host_rss_mib: list[tuple[float, float, float]] | None = None
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -204,9 +207,17 @@ def load_model(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
     """Load `cfg.model.path` onto every rank of `ctx` (an HF checkpoint or a sharded one)."""
     from . import sharded
 
-    if sharded.is_sharded(cfg.model.path, ctx):
-        return sharded.load_sharded(cfg, ctx)
+    return_large_frees_to_os()
     t0 = time.perf_counter()
+    with HostMemoryMonitor() as mem:
+        if sharded.is_sharded(cfg.model.path, ctx):
+            loaded = sharded.load_sharded(cfg, ctx)
+        else:
+            loaded = _load_from_hf(cfg, ctx)
+    return _report(loaded, t0, mem, ctx)
+
+
+def _load_from_hf(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
     shape, tp_size, ckpt = agree_on_model(cfg, ctx)
     dtype = resolve_dtype(cfg.model.dtype, ctx.device)
     tp = TPGroup(ctx.rank, tp_size, ctx.compute_group if tp_size > 1 else None)
@@ -221,13 +232,17 @@ def load_model(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
     else:
         _stream_other(model, plans, tp_size, dtype, ctx)
     finish_model(model, ctx.device)
-    return _report(LoadedModel(model, shape, tp, dtype, ctx.device, cfg.model.path), t0, ctx)
+    return LoadedModel(model, shape, tp, dtype, ctx.device, cfg.model.path)
 
 
-def _report(loaded: LoadedModel, t0: float, ctx: DistContext) -> LoadedModel:
+def _report(loaded: LoadedModel, t0: float, mem: HostMemoryMonitor, ctx) -> LoadedModel:
     loaded.load_seconds = time.perf_counter() - t0
-    peaks = gather_objects(peak_host_rss_mb(), ctx)
+    rss = gather_objects((mem.start_mib, mem.peak_mib, mem.end_mib), ctx)
     if ctx.is_rank0:
-        per_rank = ", ".join(f"rank {r}: {mb:.0f} MiB" for r, mb in enumerate(peaks))
-        log.info("loaded in %.2f s; peak host RAM %s", loaded.load_seconds, per_rank)
+        loaded.host_rss_mib = rss
+        per_rank = ", ".join(
+            f"rank {r}: peak {peak:.0f} MiB (+{peak - start:.0f} over start, final {end:.0f})"
+            for r, (start, peak, end) in enumerate(rss)
+        )
+        log.info("loaded in %.2f s; anonymous host RAM %s", loaded.load_seconds, per_rank)
     return loaded

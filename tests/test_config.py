@@ -1,0 +1,49 @@
+"""Config parsing: TOML + --set overrides, and errors that name the key."""
+
+import pytest
+
+from mpinfer.config import load_config
+
+from .conftest import ROOT
+
+
+def test_shipped_configs_parse():
+    for path in sorted((ROOT / "configs").glob("*.toml")):
+        load_config(str(path))
+
+
+def test_overrides_apply_with_types(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[model]\npath = "/m"\n[generation]\ntemperature = 0.5\n')
+    cfg = load_config(str(f), ["generation.top_k=40", "quant.method=none", "server.port=9000"])
+    assert cfg.model.path == "/m" and cfg.generation.temperature == 0.5
+    assert cfg.generation.top_k == 40 and cfg.quant.method == "none" and cfg.server.port == 9000
+    # An int is accepted where a float is expected.
+    assert load_config(None, ["generation.temperature=1"]).generation.temperature == 1.0
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.colour=1", "unknown config key model.colour"),
+        ("modle.path=x", "unknown config section(s): modle"),
+        ("generation.top_k=1.5", "generation.top_k: expected int"),
+        ("generation.do_sample=1", "generation.do_sample: expected bool"),
+        ("server.port=\"80\"", "server.port: expected int"),
+        ("quant.method=int4", "quant.method='int4'"),
+        ("generation.top_p=0", "generation.top_p=0.0 must be in (0, 1]"),
+        ("model.dtype=float64", "model.dtype='float64'"),
+        ("nodot=3", "the key must be section.key"),
+    ],
+)
+def test_bad_keys_and_values_name_the_key(override, message):
+    with pytest.raises(ValueError) as e:
+        load_config(None, [override])
+    assert message in str(e.value)
+
+
+def test_unknown_key_in_file_is_named(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[parallel]\ntp = 2\n")
+    with pytest.raises(ValueError, match="unknown config key parallel.tp"):
+        load_config(str(f))

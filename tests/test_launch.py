@@ -1,0 +1,126 @@
+"""The user's entry points as real processes: launch/generate.py under torchrun, `mpinfer
+generate --nproc`, and every user error ending all ranks non-zero with a message naming it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mpinfer.tiny import make_tiny
+
+from .conftest import ROOT, TINY, torchrun
+
+PROMPTS = ["The capital of France is", "café 東京 river"]
+
+
+def parse_json_lines(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def test_generate_json_matches_transformers(ckpts, hf_model):
+    args = ["launch/generate.py", "--model", str(ckpts["st_sharded"]), "--quant", "none",
+            "--dtype", "float32", "--greedy", "--json", "--max-new-tokens", "12"]  # fmt: skip
+    for p in PROMPTS:
+        args += ["--prompt", p]
+    proc = torchrun(2, args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = parse_json_lines(proc.stdout)
+    assert [r["prompt"] for r in records] == PROMPTS
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpts["st_sharded"])
+    for r in records:
+        ids = tok(r["prompt"], return_tensors="pt").input_ids
+        assert ids[0].tolist() == r["prompt_token_ids"]
+        gen = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                do_sample=False, eos_token_id=2, pad_token_id=3)  # fmt: skip
+        expected = gen[0, ids.shape[1] :].tolist()
+        if 2 in expected:
+            expected = expected[: expected.index(2) + 1]
+        assert r["token_ids"] == expected
+        assert r["text"] == tok.decode(expected, skip_special_tokens=True)
+        assert r["finish_reason"] == ("eos" if expected[-1] == 2 else "length")
+    # Logs: the [rank N] prefix, load time and every rank's peak host RAM.
+    assert "[rank 0] INFO loaded in" in proc.stderr and "rank 1: peak" in proc.stderr
+
+
+def test_mpinfer_generate_nproc_starts_its_own_ranks(ckpts):
+    common = ["--model", str(ckpts["st_sharded"]), "--greedy", "--json", "--prompt", PROMPTS[0],
+              "--max-new-tokens", "6"]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "mpinfer.cli", "generate", "--nproc", "2", *common],
+        cwd=ROOT, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = torchrun(2, ["launch/generate.py", *common])
+    assert parse_json_lines(proc.stdout) == parse_json_lines(ref.stdout)
+    assert "[rank 1]" in proc.stderr or "[rank 0]" in proc.stderr
+
+
+def rewrite_single(src, dst, edit):
+    """Copy checkpoint `src` to `dst` (a single model.safetensors), with `edit(state)` applied."""
+    shutil.copytree(src, dst)
+    state = load_file(dst / "model.safetensors")
+    edit(state)
+    save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def bad_models(ckpts, tmp_path_factory):
+    base = tmp_path_factory.mktemp("bad")
+    single = make_tiny(base / "good_single", **TINY)
+    models = {}
+    models["heads"] = make_tiny(base / "heads3", layers=1, hidden=48, heads=3, vocab=400)
+    models["not_bloom"] = shutil.copytree(single, base / "gpt2")
+    cfg = json.loads((models["not_bloom"] / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (models["not_bloom"] / "config.json").write_text(json.dumps(cfg))
+    models["missing_file"] = shutil.copytree(ckpts["st_sharded"], base / "missing_file")
+    (models["missing_file"] / "model-00002-of-00003.safetensors").unlink()
+    models["corrupt_file"] = shutil.copytree(single, base / "corrupt")
+    (models["corrupt_file"] / "model.safetensors").write_bytes(b"\x00garbage" * 100)
+    models["missing_tensor"] = rewrite_single(
+        single, base / "missing_tensor",
+        lambda s: s.pop("transformer.h.1.mlp.dense_4h_to_h.weight"),
+    )  # fmt: skip
+    models["wrong_shape"] = rewrite_single(
+        single, base / "wrong_shape",
+        lambda s: s.update({"transformer.h.0.self_attention.dense.weight": torch.zeros(64, 32)}),
+    )  # fmt: skip
+    models["good"] = single
+    return models
+
+
+ERROR_CASES = {
+    "heads": ([], "n_head=3 is not divisible by tp_size=2"),
+    "good": (["--set", "parallel.tp_size=4"], "parallel.tp_size=4 does not match the world size 2"),
+    "not_bloom": ([], "model_type='gpt2'"),
+    "missing_file": ([], "model-00002-of-00003.safetensors"),
+    "corrupt_file": ([], "model.safetensors cannot be read"),
+    "missing_tensor": ([], "tensor h.1.mlp.dense_4h_to_h.weight is missing"),
+    "wrong_shape": ([], "h.0.self_attention.dense.weight has shape (64, 32)"),
+}
+
+
+@pytest.mark.parametrize("case", list(ERROR_CASES))
+def test_user_errors_end_every_rank_with_a_clear_message(bad_models, case):
+    extra, message = ERROR_CASES[case]
+    proc = torchrun(2, ["launch/generate.py", "--model", str(bad_models[case]), *extra],
+                    timeout=120)  # fmt: skip
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(f"[rank {rank}] ERROR")]
+        assert any(message in ln for ln in lines), (rank, proc.stderr[-3000:])
+
+
+def test_missing_model_dir_is_an_error(tmp_path):
+    proc = torchrun(2, ["launch/generate.py", "--model", str(tmp_path / "nope")], timeout=120)
+    assert proc.returncode != 0
+    assert "does not exist" in proc.stderr
