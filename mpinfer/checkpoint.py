@@ -22,6 +22,18 @@ PREFIX = "transformer."
 IGNORED = ("lm_head.weight",)
 
 
+SAFETENSORS_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F64": torch.float64,
+}
+
+
 class CheckpointError(ValueError):
     """The checkpoint on disk is missing, unreadable or does not match the model."""
 
@@ -69,7 +81,9 @@ class HFCheckpoint:
                     by_file.setdefault(self.dir / fname, []).append(key)
                 for path in by_file:
                     if not path.is_file():
-                        raise CheckpointError(f"checkpoint file {path} (named in {index}) is missing")
+                        raise CheckpointError(
+                            f"checkpoint file {path} (named in {index}) is missing"
+                        )
                     self._check_readable(path)
                 return by_file
         for single in ("model.safetensors", "pytorch_model.bin"):
@@ -119,12 +133,21 @@ class HFCheckpoint:
             return tuple(handle.get_slice(key).get_shape())
         return tuple(handle[key].shape)
 
+    def dtype(self, name: str) -> torch.dtype:
+        path, key = self._locate(name)
+        handle = self._open(path)
+        if path.suffix == ".safetensors":
+            return SAFETENSORS_DTYPES[handle.get_slice(key).get_dtype()]
+        return handle[key].dtype
+
     def _locate(self, name: str) -> tuple[Path, str]:
         if name not in self._where:
             raise CheckpointError(f"tensor {name} is missing from the checkpoint in {self.dir}")
         return self._where[name]
 
-    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int = 0) -> torch.Tensor:
+    def read(
+        self, name: str, dim: int | None = None, start: int = 0, stop: int = 0
+    ) -> torch.Tensor:
         """The whole tensor, or rows/columns [start, stop) along `dim` (0 or 1); a fresh copy."""
         path, key = self._locate(name)
         handle = self._open(path)

@@ -142,9 +142,17 @@ def _make_tiny_main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     try:
         out = make_tiny(
-            a.out, layers=a.layers, hidden=a.hidden, heads=a.heads, vocab=a.vocab,
-            shards=a.shards, fmt=a.format, seed=a.seed, dtype=a.dtype, prefix=not a.no_prefix,
-        )  # fmt: skip
+            a.out,
+            layers=a.layers,
+            hidden=a.hidden,
+            heads=a.heads,
+            vocab=a.vocab,
+            shards=a.shards,
+            fmt=a.format,
+            seed=a.seed,
+            dtype=a.dtype,
+            prefix=not a.no_prefix,
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANT_METHODS = ("int8", "llm.int8", "none")
@@ -25,6 +26,8 @@ class ModelConfig:
     path: str = ""
     # "auto": bfloat16 on CUDA, float32 on CPU.
     dtype: str = "auto"
+    # Sharded checkpoints: check each rank file's sha256 against the manifest before loading.
+    verify: bool = True
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,9 @@ class RunConfig:
         if self.quant.method not in QUANT_METHODS:
             raise ValueError(f"quant.method={self.quant.method!r}: expected one of {QUANT_METHODS}")
         if self.quant.embeddings not in ("none", "int8"):
-            raise ValueError(f"quant.embeddings={self.quant.embeddings!r}: expected 'none' or 'int8'")
+            raise ValueError(
+                f"quant.embeddings={self.quant.embeddings!r}: expected 'none' or 'int8'"
+            )
         if self.quant.threshold < 0:
             raise ValueError(f"quant.threshold={self.quant.threshold} must be >= 0")
         if self.parallel.tp_size < 0:
@@ -119,7 +124,9 @@ def _check_type(key: str, value: Any, annotation: str) -> Any:
     elif annotation == "str":
         if isinstance(value, str):
             return value
-    raise ValueError(f"config key {key}: expected {annotation}, got {type(value).__name__} {value!r}")
+    raise ValueError(
+        f"config key {key}: expected {annotation}, got {type(value).__name__} {value!r}"
+    )
 
 
 def _build(data: dict[str, Any]) -> RunConfig:

@@ -37,7 +37,9 @@ class DistContext:
 def divide(numerator: int, denominator: int, what: str = "") -> int:
     """Exact division, with both numbers in the error (Megatron's `divide`)."""
     if numerator % denominator != 0:
-        raise ValueError(f"{what or numerator}={numerator} is not divisible by tp_size={denominator}")
+        raise ValueError(
+            f"{what or numerator}={numerator} is not divisible by tp_size={denominator}"
+        )
     return numerator // denominator
 
 

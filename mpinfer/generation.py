@@ -119,9 +119,13 @@ def generate(
     samplers = [RowSampler(p, sp, device) for p, sp in zip(prompts, params)] if ctx.is_rank0 else []
 
     logits = model(
-        ids.to(device), cache, slots=slots, start_pos=torch.zeros_like(slots),
-        valid_from=valid_from, kv_len=longest,
-    )  # fmt: skip
+        ids.to(device),
+        cache,
+        slots=slots,
+        start_pos=torch.zeros_like(slots),
+        valid_from=valid_from,
+        kv_len=longest,
+    )
     pos = longest
     while True:
         # (B + 1,): the next token of each row, then 1 while any row is still going.
@@ -144,8 +148,12 @@ def generate(
         if not int(step[B]):
             break
         logits = model(
-            step[:B, None], cache, slots=slots, start_pos=torch.full_like(slots, pos),
-            valid_from=valid_from, kv_len=pos + 1,
-        )  # fmt: skip
+            step[:B, None],
+            cache,
+            slots=slots,
+            start_pos=torch.full_like(slots, pos),
+            valid_from=valid_from,
+            kv_len=pos + 1,
+        )
         pos += 1
     return out if ctx.is_rank0 else None

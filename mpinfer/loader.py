@@ -27,7 +27,7 @@ from .dist import DistContext, broadcast_object, gather_objects
 from .layers import TPGroup
 from .memory import HostMemoryMonitor, return_large_frees_to_os
 from .model import BloomModel
-from .plan import BloomShape, TensorPlan, plan_model, shard_tensor
+from .plan import BloomShape, TensorPlan, plan_model, rank_entries, shard_tensor
 from .quant import make_linear_method
 
 log = logging.getLogger("mpinfer")
@@ -107,7 +107,9 @@ def finish_model(model: BloomModel, device: torch.device) -> None:
 def check_checkpoint(ckpt: HFCheckpoint, plans: list[TensorPlan]) -> None:
     for plan in plans:
         if plan.name not in ckpt:
-            raise CheckpointError(f"tensor {plan.name} is missing from the checkpoint in {ckpt.dir}")
+            raise CheckpointError(
+                f"tensor {plan.name} is missing from the checkpoint in {ckpt.dir}"
+            )
         found = ckpt.shape(plan.name)
         if tuple(found) != plan.shape:
             raise CheckpointError(
@@ -116,17 +118,22 @@ def check_checkpoint(ckpt: HFCheckpoint, plans: list[TensorPlan]) -> None:
             )
 
 
+def inspect_checkpoint(cfg: RunConfig, tp_size: int) -> tuple[dict, BloomShape, HFCheckpoint]:
+    """Read config.json and check every planned tensor's presence and shape (no data read)."""
+    config_dict = read_config(cfg.model.path)
+    shape = BloomShape.from_config(config_dict)
+    shape.check_tp(tp_size)
+    ckpt = HFCheckpoint(cfg.model.path)
+    check_checkpoint(ckpt, plans_for(shape, tp_size, cfg))
+    return config_dict, shape, ckpt
+
+
 def agree_on_model(cfg: RunConfig, ctx: DistContext) -> tuple[BloomShape, int, HFCheckpoint | None]:
     """Rank 0 reads and checks config.json and the checkpoint; every rank gets the verdict."""
     error, config_dict, ckpt = None, None, None
     if ctx.is_rank0:
         try:
-            config_dict = read_config(cfg.model.path)
-            shape = BloomShape.from_config(config_dict)
-            tp_size = resolve_tp_size(cfg, ctx.world_size)
-            shape.check_tp(tp_size)
-            ckpt = HFCheckpoint(cfg.model.path)
-            check_checkpoint(ckpt, plans_for(shape, tp_size, cfg))
+            config_dict, _, ckpt = inspect_checkpoint(cfg, resolve_tp_size(cfg, ctx.world_size))
         except ValueError as e:
             error = str(e)
     error, config_dict = broadcast_object((error, config_dict), ctx)
@@ -138,7 +145,9 @@ def agree_on_model(cfg: RunConfig, ctx: DistContext) -> tuple[BloomShape, int, H
 
 def _send(t: torch.Tensor, dst: int, ctx: DistContext):
     # Raw bytes: gloo point-to-point does not care about dtype, and int8/bf16 travel as they are.
-    return dist.isend(t.contiguous().view(torch.uint8).reshape(-1), dst=dst, group=ctx.weights_group)
+    return dist.isend(
+        t.contiguous().view(torch.uint8).reshape(-1), dst=dst, group=ctx.weights_group
+    )
 
 
 def _recv(shape, dtype, ctx: DistContext) -> torch.Tensor:
@@ -193,8 +202,7 @@ def _stream_rank0(model, plans, ckpt: HFCheckpoint, tp_size, dtype, ctx: DistCon
 
 def _stream_other(model, plans, tp_size, dtype, ctx: DistContext) -> None:
     for plan in plans:
-        names = [plan.name] + ([plan.name + "_scale"] if plan.quantize else [])
-        for name in names:
+        for name, _, _ in rank_entries(plan, tp_size, dtype):
             meta = model.get_parameter(name)
             if plan.split == "replicate":
                 t = _broadcast(None, meta.shape, meta.dtype, ctx)
@@ -226,8 +234,12 @@ def _load_from_hf(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
     if ctx.is_rank0:
         log.info(
             "loading %s (%.2f GB on disk) with tp=%d, quant=%s, dtype=%s",
-            cfg.model.path, ckpt.nbytes() / 1e9, tp_size, cfg.quant.method, str(dtype)[6:],
-        )  # fmt: skip
+            cfg.model.path,
+            ckpt.nbytes() / 1e9,
+            tp_size,
+            cfg.quant.method,
+            str(dtype)[6:],
+        )
         _stream_rank0(model, plans, ckpt, tp_size, dtype, ctx)
     else:
         _stream_other(model, plans, tp_size, dtype, ctx)

@@ -54,7 +54,9 @@ class BloomShape:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"config.json: {key}={value!r} must be a positive integer")
         if hidden % n_head:
-            raise ValueError(f"config.json: hidden_size={hidden} is not divisible by n_head={n_head}")
+            raise ValueError(
+                f"config.json: hidden_size={hidden} is not divisible by n_head={n_head}"
+            )
 
         def token(key: str, default: int) -> int:
             value = cfg.get(key)
@@ -148,14 +150,24 @@ def plan_model(shape: BloomShape, tp_size: int, *, quantize: bool, quantize_embe
     return plans
 
 
+def rank_entries(
+    plan: TensorPlan, tp_size: int, dtype: torch.dtype
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of what `shard_tensor` returns for one rank, without computing it."""
+    shape = plan.rank_shape(tp_size)
+    if plan.quantize:
+        return [(plan.name, shape, torch.int8), (scale_name(plan.name), shape[:1], torch.float32)]
+    return [(plan.name, shape, dtype)]
+
+
 def shard_tensor(
-    plan: TensorPlan, piece: torch.Tensor, tp_size: int, dtype: torch.dtype
+    plan: TensorPlan, piece: torch.Tensor, tp_size: int, dtype: torch.dtype | None
 ) -> dict[str, torch.Tensor]:
     """Turn this rank's piece of a checkpoint tensor into what the rank's model holds.
 
     `piece` is the slice `plan.rank_range` names (or the whole tensor). Vocab slices are padded
     with zero rows to the per-rank size. Quantized tensors become int8 + float32 row scales,
-    computed over this rank's piece alone; the rest is cast to the compute dtype.
+    computed over this rank's piece alone; the rest is cast to `dtype` (None: kept as stored).
     """
     if plan.split == "vocab":
         rows = plan.rank_shape(tp_size)[0]
@@ -165,4 +177,4 @@ def shard_tensor(
     if plan.quantize:
         q, scale = quantize_rows(piece)
         return {plan.name: q, scale_name(plan.name): scale}
-    return {plan.name: piece.to(dtype).contiguous()}
+    return {plan.name: (piece.to(dtype) if dtype else piece).contiguous()}

@@ -139,6 +139,8 @@ def make_linear_method(method: str, *, threshold: float = 6.0) -> LinearMethod:
         try:
             import bitsandbytes  # noqa: F401
         except ImportError as e:
-            raise ValueError(f"quant.method='llm.int8' needs bitsandbytes, which failed: {e}") from None
+            raise ValueError(
+                f"quant.method='llm.int8' needs bitsandbytes, which failed: {e}"
+            ) from None
         return BnbInt8Method(threshold=threshold)
     raise ValueError(f"quant.method={method!r}: expected int8, llm.int8 or none")

@@ -1,8 +1,420 @@
-"""placeholder"""
+"""Pre-sharded int8 checkpoints: `mpinfer shard`, `mpinfer verify`, and the fast load path.
+
+    DIR/mpinfer.json                      manifest, written last (see `write_manifest`)
+    DIR/rank-00000-of-00008.safetensors   rank 0's tensors, mpinfer names: int8 + scales
+    DIR/config.json, tokenizer files      copied from the source: DIR is a complete model dir
+
+`mpinfer shard` writes the rank files one after another; each reads only its own slices of the
+source (plus the small replicated tensors), so every byte of a split tensor is read once in all
+and host RAM holds one slice at a time. A rank file is streamed to a temporary name (the
+safetensors header is known from the plan before any data is read), hashed as it is written,
+renamed when complete and recorded in a journal; an interrupted run leaves only temporary files
+and the journal, and a rerun keeps the finished rank files whose checksum still matches. The
+manifest is written last, by rename, so a directory with a manifest is a finished one.
+
+Loading: each rank checks the manifest against its config and the world size, and its own file
+(size, and sha256 unless `model.verify = false`), all before any GPU memory is taken; the ranks
+then agree (every rank raises every rank's error), and each reads its own file to its device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .checkpoint import CheckpointError, read_config
+from .config import RunConfig, load_config
+from .dist import DistContext
+from .memory import HostMemoryMonitor, return_large_frees_to_os
+from .plan import BloomShape, rank_entries, shard_tensor
+
+log = logging.getLogger("mpinfer")
+
 MANIFEST = "mpinfer.json"
-def is_sharded(path, ctx):
+JOURNAL = "mpinfer.partial.json"
+FORMAT, VERSION = "mpinfer-sharded", 1
+ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8"}
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
+
+
+def rank_file(rank: int, tp_size: int) -> str:
+    return f"rank-{rank:05d}-of-{tp_size:05d}.safetensors"
+
+
+def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+class StreamingSafetensorsWriter:
+    """A safetensors file written tensor by tensor: the header (every name, dtype, shape and
+    offset) goes first, then each tensor's bytes in header order, hashed on the way."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]]):
+        header, offset = {}, 0
+        for name, shape, dtype in entries:
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            header[name] = {
+                "dtype": ST_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            offset += nbytes
+        header["__metadata__"] = {"format": "pt", "producer": f"mpinfer {__version__}"}
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+        self.expected = [(n, tuple(s), d) for n, s, d in entries]
+        self.path, self.sha, self.nbytes = path, hashlib.sha256(), 0
+        self.f = open(path, "wb")
+        self._put(struct.pack("<Q", len(blob)) + blob)
+
+    def _put(self, data) -> None:
+        self.f.write(data)
+        self.sha.update(data)
+        self.nbytes += len(data)
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        want = self.expected.pop(0)
+        assert (name, tuple(t.shape), t.dtype) == want, f"writing {name}, planned {want}"
+        self._put(memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()))
+
+    def close(self) -> str:
+        assert not self.expected, f"{len(self.expected)} tensors never written"
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        return self.sha.hexdigest()
+
+
+def source_fingerprint(model_dir: Path) -> str:
+    """config.json's bytes and each weight file's name and size: cheap, changes when they do."""
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for p in sorted(model_dir.iterdir()):
+        if p.suffix in WEIGHT_SUFFIXES or p.name.endswith(".index.json"):
+            h.update(f"{p.name}:{p.stat().st_size}".encode())
+    return h.hexdigest()
+
+
+def shard_checkpoint(
+    model_dir: str,
+    out_dir: str,
+    *,
+    tp_size: int,
+    quant: str = "int8",
+    embeddings: str = "none",
+    dtype: str = "auto",
+    progress: bool = True,
+) -> dict:
+    """Write DIR (see the module docstring); returns the manifest. Resumes an interrupted run."""
+    from tqdm import tqdm
+
+    from .loader import DTYPES, inspect_checkpoint, plans_for
+
+    if tp_size < 1:
+        raise ValueError(f"--tp={tp_size} must be >= 1")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"--dtype={dtype!r}: expected auto or one of {list(DTYPES)}")
+    cfg = load_config(
+        None,
+        [
+            f'model.path="{model_dir}"',
+            f'quant.method="{quant}"',
+            f'quant.embeddings="{embeddings}"',
+        ],
+    )
+    config_dict, shape, ckpt = inspect_checkpoint(cfg, tp_size)
+    plans = plans_for(shape, tp_size, cfg)
+    src, out = Path(model_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if src.resolve() == out.resolve():
+        raise ValueError(f"--out {out} is the source directory; choose another")
+    settings = {
+        "format": FORMAT,
+        "version": VERSION,
+        "tp_size": tp_size,
+        "quant": {"method": quant, "embeddings": embeddings},
+        "dtype": dtype,
+        "source": {"path": str(src.resolve()), "fingerprint": source_fingerprint(src)},
+    }
+    manifest_path, journal_path = out / MANIFEST, out / JOURNAL
+    if manifest_path.exists():
+        old = json.loads(manifest_path.read_text())
+        if all(old.get(k) == v for k, v in settings.items()) and not verify_dir(out, quiet=True):
+            log.info("%s is already complete and verified", out)
+            return old
+        manifest_path.unlink()  # from here on the directory must not look finished
+    journal = json.loads(journal_path.read_text()) if journal_path.exists() else {}
+    done = journal.get("files", {}) if journal.get("settings") == settings else {}
+    for stale in out.glob("*.tmp-*"):
+        stale.unlink()
+
+    files = {}
+    source_bytes = sum(
+        torch.Size(p.rank_shape(tp_size)).numel() * ckpt.dtype(p.name).itemsize * tp_size
+        for p in plans
+    )
+    bar = tqdm(
+        total=source_bytes,
+        unit="B",
+        unit_scale=True,
+        desc="sharding",
+        disable=not progress,
+        mininterval=1.0,
+    )
+    for r in range(tp_size):
+        name = rank_file(r, tp_size)
+        final = out / name
+        rec = done.get(name)
+        if (
+            rec
+            and final.exists()
+            and final.stat().st_size == rec["bytes"]
+            and (sha256_file(final) == rec["sha256"])
+        ):
+            log.info("%s: finished by an earlier run, checksum matches; kept", name)
+            files[name] = rec
+            bar.update(source_bytes // tp_size)
+            continue
+        files[name] = _write_rank(ckpt, plans, r, tp_size, dtype, out, name, bar)
+        done[name] = files[name]
+        _write_json_atomic(journal_path, {"settings": settings, "files": done})
+    bar.close()
+    _copy_side_files(src, out)
+    manifest = {
+        **settings,
+        "model_config": config_dict,
+        "files": [{"name": n, **files[n]} for n in sorted(files)],
+        "mpinfer_version": __version__,
+    }
+    _write_json_atomic(manifest_path, manifest)
+    journal_path.unlink(missing_ok=True)
+    return manifest
+
+
+def _write_rank(ckpt, plans, r, tp_size, dtype, out, name, bar) -> dict:
+    from .loader import DTYPES
+
+    target = None if dtype == "auto" else DTYPES[dtype]  # None: as stored in the source
+    entries = []
+    for p in plans:
+        entries += rank_entries(p, tp_size, target or ckpt.dtype(p.name))
+    tmp = out / f"{name}.tmp-{os.getpid()}"
+    writer = StreamingSafetensorsWriter(tmp, entries)
+    try:
+        for p in plans:
+            rng = p.rank_range(r, tp_size)
+            piece = ckpt.read(p.name, *rng) if rng else ckpt.read(p.name)
+            bar.update(piece.numel() * piece.element_size() * (tp_size if not rng else 1))
+            for tname, t in shard_tensor(p, piece, tp_size, target).items():
+                writer.write(tname, t)
+        sha = writer.close()
+    except BaseException:
+        writer.f.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, out / name)
+    return {"bytes": writer.nbytes, "sha256": sha}
+
+
+def _copy_side_files(src: Path, out: Path) -> None:
+    """config.json, tokenizer and generation files: everything that is not weights."""
+    for p in src.iterdir():
+        if p.is_file() and p.suffix not in WEIGHT_SUFFIXES and not p.name.endswith(".index.json"):
+            tmp = out / f"{p.name}.tmp-{os.getpid()}"
+            shutil.copyfile(p, tmp)
+            os.replace(tmp, out / p.name)
+
+
+def verify_dir(out: Path, *, quiet: bool = False) -> list[str]:
+    """Every problem with DIR's files against its manifest (an empty list: all good)."""
+    manifest = read_manifest(out)
+    problems = []
+    for f in manifest["files"]:
+        path = out / f["name"]
+        if not path.exists():
+            problems.append(f"{path}: missing")
+        elif path.stat().st_size != f["bytes"]:
+            problems.append(f"{path}: {path.stat().st_size} bytes, manifest says {f['bytes']}")
+        elif sha256_file(path) != f["sha256"]:
+            problems.append(f"{path}: sha256 does not match the manifest (altered or corrupt)")
+        elif not quiet:
+            print(f"ok  {path.name}  {f['bytes']} bytes  sha256 {f['sha256'][:16]}…")
+    return problems
+
+
+def read_manifest(out: Path) -> dict:
+    path = Path(out) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} cannot be read: {e}") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {manifest.get('format')!r} is not {FORMAT!r}")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(
+            f"{path}: manifest version {manifest.get('version')!r} is not supported "
+            f"(this mpinfer {__version__} reads version {VERSION}); re-run `mpinfer shard`"
+        )
+    return manifest
+
+
+# -- loading -----------------------------------------------------------------------------------
+def is_sharded(path: str, ctx: DistContext | None = None) -> bool:
+    p = Path(path)
+    if (p / MANIFEST).is_file():
+        return True
+    if any(p.glob("rank-*-of-*.safetensors*")) and not any(p.glob("model*.safetensors")):
+        raise CheckpointError(
+            f"{p} holds rank files but no {MANIFEST}: an unfinished `mpinfer shard`; run it again"
+        )
     return False
-def shard_main(argv):
-    return 2
-def verify_main(argv):
-    return 2
+
+
+def check_rank(cfg: RunConfig, manifest: dict, out: Path, rank: int, world: int) -> None:
+    """This rank's checks, all before any device memory is touched."""
+    tp = manifest["tp_size"]
+    if cfg.parallel.tp_size and cfg.parallel.tp_size != world:
+        raise ValueError(
+            f"parallel.tp_size={cfg.parallel.tp_size} does not match the world size {world}"
+        )
+    if tp != world:
+        raise ValueError(
+            f"{out} was sharded for tp_size={tp}, but the world size is {world}: start "
+            f"{tp} ranks (torchrun --nproc-per-node {tp}) or re-shard with --tp {world}"
+        )
+    stored, asked = manifest["quant"], cfg.quant
+    int8_like = {"int8", "llm.int8"}  # the same stored format: int8 rows + float32 scales
+    if not (stored["method"] == asked.method or {stored["method"], asked.method} <= int8_like):
+        raise ValueError(
+            f"{out} holds quant.method={stored['method']!r} weights, the config asks for "
+            f"quant.method={asked.method!r}: set quant.method={stored['method']!r} or re-shard"
+        )
+    if stored["embeddings"] != asked.embeddings:
+        raise ValueError(
+            f"{out} holds quant.embeddings={stored['embeddings']!r}, the config asks for "
+            f"quant.embeddings={asked.embeddings!r}"
+        )
+    if read_config(out) != manifest["model_config"]:
+        raise ValueError(f"{out}/config.json does not match the model config in its manifest")
+    entry = next((f for f in manifest["files"] if f["name"] == rank_file(rank, tp)), None)
+    if entry is None:
+        raise ValueError(f"{out}/{MANIFEST} lists no file for rank {rank}")
+    path = out / entry["name"]
+    if not path.is_file():
+        raise CheckpointError(f"rank file {path} is missing")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise CheckpointError(
+            f"rank file {path} has {size} bytes, the manifest says {entry['bytes']} (truncated?)"
+        )
+    if cfg.model.verify and sha256_file(path) != entry["sha256"]:
+        raise CheckpointError(f"rank file {path}: sha256 does not match the manifest (altered?)")
+
+
+def load_sharded(cfg: RunConfig, ctx: DistContext):
+    from safetensors import safe_open
+
+    from .layers import TPGroup
+    from .loader import LoadedModel, assign_tensor, build_meta_model, finish_model, resolve_dtype
+
+    out = Path(cfg.model.path)
+    error, manifest = None, None
+    try:
+        manifest = read_manifest(out)
+        check_rank(cfg, manifest, out, ctx.rank, ctx.world_size)
+    except ValueError as e:
+        error = f"rank {ctx.rank}: {e}"
+    errors = _all_gather_errors(error, ctx)
+    if errors:
+        raise ValueError("; ".join(errors))
+    tp_size = manifest["tp_size"]
+    shape = BloomShape.from_config(manifest["model_config"])
+    dtype = resolve_dtype(cfg.model.dtype, ctx.device)
+    tp = TPGroup(ctx.rank, tp_size, ctx.compute_group if tp_size > 1 else None)
+    model = build_meta_model(shape, tp, cfg, dtype)
+    path = out / rank_file(ctx.rank, tp_size)
+    if ctx.is_rank0:
+        log.info("loading sharded %s (tp=%d, %s)", out, tp_size, manifest["quant"]["method"])
+    device = str(ctx.device) if ctx.device.type == "cuda" else "cpu"
+    with safe_open(str(path), framework="pt", device=device) as f:
+        for name in f.keys():
+            t = f.get_tensor(name)
+            if t.dtype not in (torch.int8,) and not name.endswith("_scale"):
+                t = t.to(dtype)
+            assign_tensor(model, name, t.to(ctx.device))
+    finish_model(model, ctx.device)
+    return LoadedModel(model, shape, tp, dtype, ctx.device, str(out))
+
+
+def _all_gather_errors(error: str | None, ctx: DistContext) -> list[str]:
+    if ctx.world_size == 1:
+        return [error] if error else []
+    import torch.distributed as dist
+
+    every = [None] * ctx.world_size
+    dist.all_gather_object(every, error, group=ctx.weights_group)
+    return [e for e in every if e]
+
+
+# -- commands ----------------------------------------------------------------------------------
+def shard_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="mpinfer shard", description=shard_checkpoint.__doc__)
+    p.add_argument("--model", required=True, help="HF checkpoint directory")
+    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--quant", default="int8", choices=("int8", "llm.int8", "none"))
+    p.add_argument("--embeddings", default="none", choices=("none", "int8"))
+    p.add_argument("--dtype", default="auto", help="dtype of unquantized tensors (auto: as stored)")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    return_large_frees_to_os()
+    t0 = time.perf_counter()
+    try:
+        with HostMemoryMonitor() as mem:
+            m = shard_checkpoint(
+                a.model, a.out, tp_size=a.tp, quant=a.quant, embeddings=a.embeddings, dtype=a.dtype
+            )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    total = sum(f["bytes"] for f in m["files"])
+    print(
+        f"wrote {len(m['files'])} rank files ({total / 1e9:.2f} GB) to {a.out} in "
+        f"{time.perf_counter() - t0:.1f} s; peak anonymous host RAM {mem.peak_mib:.0f} MiB "
+        f"(+{mem.peak_mib - mem.start_mib:.0f} over start)"
+    )
+    return 0
+
+
+def verify_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="mpinfer verify", description="check every checksum of DIR")
+    p.add_argument("dir")
+    a = p.parse_args(argv)
+    try:
+        problems = verify_dir(Path(a.dir))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for line in problems:
+        print(f"BAD {line}")
+    return 1 if problems else 0

@@ -23,8 +23,14 @@ TINY = dict(layers=2, hidden=64, heads=4, vocab=1001, seed=7)
 
 def torchrun(nproc: int, args: list[str], *, timeout: float = 180, env: dict | None = None):
     """Run a real torchrun job; returns the CompletedProcess (stdout/stderr as text)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        *args,
+    ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(
         cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env

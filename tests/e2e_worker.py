@@ -30,12 +30,21 @@ def main(spec_path: str, out_dir: str) -> None:
             loaded = load_model(cfg, ctx)
             B, T = ids.shape
             cache = KVCache.allocate(
-                loaded.shape, loaded.tp.tp_size, slots=B, max_seq=T, dtype=loaded.dtype,
+                loaded.shape,
+                loaded.tp.tp_size,
+                slots=B,
+                max_seq=T,
+                dtype=loaded.dtype,
                 device=ctx.device,
             )
             logits = loaded.model(
-                ids, cache, slots=torch.arange(B), start_pos=torch.zeros(B, dtype=torch.long),
-                valid_from=(1 - mask).sum(1), kv_len=T, last_only=False,
+                ids,
+                cache,
+                slots=torch.arange(B),
+                start_pos=torch.zeros(B, dtype=torch.long),
+                valid_from=(1 - mask).sum(1),
+                kv_len=T,
+                last_only=False,
             )
             params = SamplingParams(max_new_tokens=spec["max_new_tokens"])
             prompts = spec["prompts"]

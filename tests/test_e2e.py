@@ -14,6 +14,7 @@ import torch
 from mpinfer.checkpoint import HFCheckpoint
 from mpinfer.plan import BloomShape, plan_model
 from mpinfer.quant import dequantize_rows, quantize_rows
+from mpinfer.sharded import shard_checkpoint
 
 from .conftest import torchrun
 
@@ -31,19 +32,35 @@ def padded_batch():
     return ids, mask
 
 
+COMMON = {
+    "none": ("st_sharded", "none", "none"),
+    "int8": ("st_sharded", "int8", "none"),
+    "llm_int8": ("st_sharded", "llm.int8", "none"),
+    # The same three from pre-sharded directories (mpinfer shard), one per tp size and method.
+    "sharded_none": ("sharded:none", "none", "none"),
+    "sharded_int8": ("sharded:int8", "int8", "none"),
+    "sharded_llm_int8": ("sharded:llm.int8", "llm.int8", "none"),
+}
 SCENARIOS = {
-    1: {"none": ("st_sharded", "none", "none"), "int8": ("st_sharded", "int8", "none")},
+    1: COMMON,
     2: {
-        "none": ("st_sharded", "none", "none"),
-        "int8": ("st_sharded", "int8", "none"),
+        **COMMON,
         "int8_emb": ("st_sharded", "int8", "int8"),
-        "llm_int8": ("st_sharded", "llm.int8", "none"),
         "bin_single_noprefix": ("bin_single_noprefix", "none", "none"),
         "bin_sharded": ("bin_sharded", "none", "none"),
         "st_single_noprefix": ("st_single_noprefix", "none", "none"),
     },
-    4: {"none": ("st_sharded", "none", "none"), "int8": ("st_sharded", "int8", "none")},
+    4: COMMON,
 }
+
+
+def model_dir(ckpts, key: str, tp: int, base) -> str:
+    if not key.startswith("sharded:"):
+        return str(ckpts[key])
+    quant = key.split(":", 1)[1]
+    out = base / f"sharded_{quant}"
+    shard_checkpoint(str(ckpts["st_sharded"]), str(out), tp_size=tp, quant=quant, progress=False)
+    return str(out)
 
 
 @pytest.fixture(scope="session")
@@ -62,10 +79,12 @@ def results(ckpts, tmp_path_factory):
                 {
                     "name": name,
                     "overrides": [
-                        f'model.path="{ckpts[ck]}"', f'quant.method="{q}"',
-                        f'quant.embeddings="{emb}"', 'model.dtype="float32"',
+                        f'model.path="{model_dir(ckpts, ck, tp, d)}"',
+                        f'quant.method="{q}"',
+                        f'quant.embeddings="{emb}"',
+                        'model.dtype="float32"',
                     ],
-                }  # fmt: skip
+                }
                 for name, (ck, q, emb) in scenarios.items()
             ],
         }
@@ -120,9 +139,13 @@ def test_greedy_batch_matches_transformers_generate_alone(results, hf_model, tp)
     for prompt, tokens in zip(PROMPTS, results[tp]["none"]["tokens"]):
         ids = torch.tensor([prompt])
         gen = hf_model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
-            eos_token_id=2, pad_token_id=3,
-        )[0, len(prompt):].tolist()  # fmt: skip
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=3,
+        )[0, len(prompt) :].tolist()
         if 2 in gen:
             gen = gen[: gen.index(2) + 1]
         assert tokens == gen, (prompt, tokens, gen)
@@ -157,11 +180,19 @@ def test_quantized_stays_close_to_fp32(results, hf_model, name):
     assert kl < 0.05 and top1 > 0.85, (kl, top1)
 
 
-@pytest.mark.parametrize(
-    "name", ["bin_single_noprefix", "bin_sharded", "st_single_noprefix"]
-)
+@pytest.mark.parametrize("name", ["bin_single_noprefix", "bin_sharded", "st_single_noprefix"])
 def test_checkpoint_layouts_load_the_same_model(results, name):
     # The same random weights written four ways: every layout must load to identical logits.
-    torch.testing.assert_close(results[2][name]["logits"], results[2]["none"]["logits"],
-                               atol=0, rtol=0)  # fmt: skip
+    torch.testing.assert_close(
+        results[2][name]["logits"], results[2]["none"]["logits"], atol=0, rtol=0
+    )
     assert results[2][name]["tokens"] == results[2]["none"]["tokens"]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("method", ["none", "int8", "llm_int8"])
+def test_sharded_start_equals_rank0_path(results, tp, method):
+    # A sharded file holds exactly what the rank-0 path sends: identical logits and tokens.
+    ours, ref = results[tp][f"sharded_{method}"], results[tp][method]
+    torch.testing.assert_close(ours["logits"], ref["logits"], atol=0, rtol=0)
+    assert ours["tokens"] == ref["tokens"]

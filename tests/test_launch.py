@@ -24,8 +24,19 @@ def parse_json_lines(stdout: str) -> list[dict]:
 
 
 def test_generate_json_matches_transformers(ckpts, hf_model):
-    args = ["launch/generate.py", "--model", str(ckpts["st_sharded"]), "--quant", "none",
-            "--dtype", "float32", "--greedy", "--json", "--max-new-tokens", "12"]  # fmt: skip
+    args = [
+        "launch/generate.py",
+        "--model",
+        str(ckpts["st_sharded"]),
+        "--quant",
+        "none",
+        "--dtype",
+        "float32",
+        "--greedy",
+        "--json",
+        "--max-new-tokens",
+        "12",
+    ]
     for p in PROMPTS:
         args += ["--prompt", p]
     proc = torchrun(2, args)
@@ -38,8 +49,14 @@ def test_generate_json_matches_transformers(ckpts, hf_model):
     for r in records:
         ids = tok(r["prompt"], return_tensors="pt").input_ids
         assert ids[0].tolist() == r["prompt_token_ids"]
-        gen = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
-                                do_sample=False, eos_token_id=2, pad_token_id=3)  # fmt: skip
+        gen = hf_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=3,
+        )
         expected = gen[0, ids.shape[1] :].tolist()
         if 2 in expected:
             expected = expected[: expected.index(2) + 1]
@@ -51,12 +68,23 @@ def test_generate_json_matches_transformers(ckpts, hf_model):
 
 
 def test_mpinfer_generate_nproc_starts_its_own_ranks(ckpts):
-    common = ["--model", str(ckpts["st_sharded"]), "--greedy", "--json", "--prompt", PROMPTS[0],
-              "--max-new-tokens", "6"]  # fmt: skip
+    common = [
+        "--model",
+        str(ckpts["st_sharded"]),
+        "--greedy",
+        "--json",
+        "--prompt",
+        PROMPTS[0],
+        "--max-new-tokens",
+        "6",
+    ]
     proc = subprocess.run(
         [sys.executable, "-m", "mpinfer.cli", "generate", "--nproc", "2", *common],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ref = torchrun(2, ["launch/generate.py", *common])
     assert parse_json_lines(proc.stdout) == parse_json_lines(ref.stdout)
@@ -87,13 +115,15 @@ def bad_models(ckpts, tmp_path_factory):
     models["corrupt_file"] = shutil.copytree(single, base / "corrupt")
     (models["corrupt_file"] / "model.safetensors").write_bytes(b"\x00garbage" * 100)
     models["missing_tensor"] = rewrite_single(
-        single, base / "missing_tensor",
+        single,
+        base / "missing_tensor",
         lambda s: s.pop("transformer.h.1.mlp.dense_4h_to_h.weight"),
-    )  # fmt: skip
+    )
     models["wrong_shape"] = rewrite_single(
-        single, base / "wrong_shape",
+        single,
+        base / "wrong_shape",
         lambda s: s.update({"transformer.h.0.self_attention.dense.weight": torch.zeros(64, 32)}),
-    )  # fmt: skip
+    )
     models["good"] = single
     return models
 
@@ -112,8 +142,9 @@ ERROR_CASES = {
 @pytest.mark.parametrize("case", list(ERROR_CASES))
 def test_user_errors_end_every_rank_with_a_clear_message(bad_models, case):
     extra, message = ERROR_CASES[case]
-    proc = torchrun(2, ["launch/generate.py", "--model", str(bad_models[case]), *extra],
-                    timeout=120)  # fmt: skip
+    proc = torchrun(
+        2, ["launch/generate.py", "--model", str(bad_models[case]), *extra], timeout=120
+    )
     assert proc.returncode != 0
     for rank in (0, 1):
         lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(f"[rank {rank}] ERROR")]

@@ -32,8 +32,22 @@ def test_make_tiny_layout_loads_in_transformers(tmp_path, capsys):
 
 def test_bin_and_prefixless_checkpoints_read_the_same_tensors(tmp_path):
     assert mpinfer_main(["make-tiny", str(tmp_path / "a"), "--seed", "3"]) == 0
-    assert mpinfer_main(["make-tiny", str(tmp_path / "b"), "--seed", "3", "--format", "bin",
-                         "--no-prefix", "--shards", "2"]) == 0  # fmt: skip
+    assert (
+        mpinfer_main(
+            [
+                "make-tiny",
+                str(tmp_path / "b"),
+                "--seed",
+                "3",
+                "--format",
+                "bin",
+                "--no-prefix",
+                "--shards",
+                "2",
+            ]
+        )
+        == 0
+    )
     a, b = HFCheckpoint(tmp_path / "a"), HFCheckpoint(tmp_path / "b")
     assert sorted(a.names()) == sorted(b.names())
     name = "h.1.mlp.dense_4h_to_h.weight"

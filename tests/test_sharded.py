@@ -1,0 +1,150 @@
+"""Shard-and-save: the files, interrupt-and-resume, `mpinfer verify`, and load-time errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from safetensors import safe_open
+
+from mpinfer.sharded import MANIFEST, rank_file, shard_checkpoint
+from mpinfer.tiny import make_tiny
+
+from .conftest import ROOT, torchrun
+
+
+@pytest.fixture(scope="module")
+def sharded2(ckpts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sh") / "tp2"
+    shard_checkpoint(str(ckpts["st_sharded"]), str(out), tp_size=2, quant="int8", progress=False)
+    return out
+
+
+def test_sharded_dir_is_a_complete_model_dir(sharded2):
+    names = {p.name for p in sharded2.iterdir()}
+    assert {MANIFEST, "config.json", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert {rank_file(0, 2), rank_file(1, 2)} <= names
+    assert not any(".tmp-" in n or n.endswith(".partial.json") for n in names)
+    manifest = json.loads((sharded2 / MANIFEST).read_text())
+    assert manifest["tp_size"] == 2 and manifest["quant"]["method"] == "int8"
+    assert manifest["model_config"]["model_type"] == "bloom" and manifest["version"] == 1
+    with safe_open(str(sharded2 / rank_file(1, 2)), framework="pt") as f:
+        qkv = f.get_tensor("h.0.self_attention.query_key_value.weight")
+        assert str(qkv.dtype) == "torch.int8" and tuple(qkv.shape) == (96, 64)
+        assert tuple(f.get_tensor("word_embeddings.weight").shape) == (501, 64)  # 1001 padded
+
+
+def run_shard(src, out, *extra):
+    return subprocess.Popen(
+        [sys.executable, "-m", "mpinfer.cli", "shard", "--model", str(src), "--tp", "4",
+         "--out", str(out), *extra],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def test_interrupted_shard_resumes_to_identical_files(tmp_path):
+    # Big enough (~190 MB fp32) that each of the 4 rank files takes a noticeable time.
+    src = make_tiny(tmp_path / "src", layers=6, hidden=768, heads=12, vocab=4096, seed=1)
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert run_shard(src, ref).wait(timeout=300) == 0
+
+    proc = run_shard(src, out)
+    journal = out / "mpinfer.partial.json"
+    deadline = time.time() + 240
+    while not journal.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    assert proc.poll() is None, "finished before it could be interrupted"
+    proc.send_signal(signal.SIGTERM)  # a real signal to the real process, mid-run
+    proc.wait(timeout=60)
+    assert proc.returncode != 0
+    # Nothing looks finished: no manifest; the rank being written is only a temporary file.
+    assert not (out / MANIFEST).exists()
+    finished = json.loads(journal.read_text())["files"]
+    assert 1 <= len(finished) < 4
+    assert not (out / rank_file(3, 4)).exists()
+
+    rerun = run_shard(src, out)
+    _, err = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, err
+    assert f"{rank_file(0, 4)}: finished by an earlier run, checksum matches; kept" in err
+    for r in range(4):
+        name = rank_file(r, 4)
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+    assert not list(out.glob("*.tmp-*")) and not journal.exists()
+    assert (
+        subprocess.run(
+            [sys.executable, "-m", "mpinfer.cli", "verify", str(out)], capture_output=True
+        ).returncode
+        == 0
+    )
+
+
+def test_verify_names_an_altered_file(sharded2, tmp_path):
+    bad = shutil.copytree(sharded2, tmp_path / "bad")
+    data = bytearray((bad / rank_file(1, 2)).read_bytes())
+    data[-1] ^= 0xFF
+    (bad / rank_file(1, 2)).write_bytes(bytes(data))
+    proc = subprocess.run([sys.executable, "-m", "mpinfer.cli", "verify", str(bad)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 1
+    assert f"BAD {bad / rank_file(1, 2)}: sha256 does not match" in proc.stdout
+    assert f"ok  {rank_file(0, 2)}" in proc.stdout
+
+
+def altered(src, dst, edit):
+    d = shutil.copytree(src, dst)
+    edit(d)
+    return d
+
+
+def flip_last_byte(path):
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def set_manifest(d, **changes):
+    m = json.loads((d / MANIFEST).read_text())
+    m.update(changes)
+    (d / MANIFEST).write_text(json.dumps(m))
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+LOAD_ERRORS = {
+    # case: (how the directory is broken, extra args, message on every rank)
+    "world": (None, 4, [], "was sharded for tp_size=2, but the world size is 4"),
+    "missing": (lambda d: (d / rank_file(1, 2)).unlink(), 2, [], "rank file"),
+    "truncated": (lambda d: truncate(d / rank_file(0, 2)), 2, [], "(truncated?)"),
+    "altered": (lambda d: flip_last_byte(d / rank_file(1, 2)), 2, [], "sha256 does not match"),
+    "version": (lambda d: set_manifest(d, version=99), 2, [], "manifest version 99"),
+    "quant": (None, 2, ["--quant", "none"], "holds quant.method='int8' weights"),
+}
+
+
+@pytest.mark.parametrize("case", list(LOAD_ERRORS))
+def test_sharded_load_errors_end_every_rank(sharded2, tmp_path, case):
+    edit, nproc, extra, message = LOAD_ERRORS[case]
+    d = altered(sharded2, tmp_path / case, edit) if edit else sharded2
+    proc = torchrun(nproc, ["launch/generate.py", "--model", str(d), *extra], timeout=120)
+    assert proc.returncode != 0
+    for rank in range(nproc):
+        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(f"[rank {rank}] ERROR")]
+        assert any(message in ln for ln in lines), (rank, proc.stderr[-3000:])
+    if case in ("missing", "truncated", "altered"):
+        # The message names the broken file on every rank, not only the rank that owns it.
+        broken = rank_file(1 if case != "truncated" else 0, 2)
+        assert all(broken in ln for ln in proc.stderr.splitlines() if "ERROR" in ln)
+
+
+def test_unfinished_shard_dir_is_named(sharded2, tmp_path):
+    d = altered(sharded2, tmp_path / "unfinished", lambda d: (d / MANIFEST).unlink())
+    proc = torchrun(2, ["launch/generate.py", "--model", str(d)], timeout=120)
+    assert proc.returncode != 0 and "an unfinished `mpinfer shard`" in proc.stderr
