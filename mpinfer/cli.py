@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from .config import add_config_args, config_from_args
+from .dist import broadcast_object
 
 log = logging.getLogger("mpinfer")
 
@@ -27,6 +28,22 @@ def load_tokenizer(model_dir: str):
     if not path.is_file():
         raise ValueError(f"{path} is missing: mpinfer needs the model's fast tokenizer file")
     return Tokenizer.from_file(str(path))
+
+
+def sampling_params(cfg, *, max_new_tokens: int | None = None, greedy: bool = False):
+    """The config's [generation] defaults as SamplingParams (with CLI overrides)."""
+    from .generation import SamplingParams
+
+    g = cfg.generation
+    return SamplingParams(
+        max_new_tokens=max_new_tokens or g.max_new_tokens,
+        do_sample=g.do_sample and not greedy,
+        temperature=g.temperature,
+        top_k=g.top_k,
+        top_p=g.top_p,
+        repetition_penalty=g.repetition_penalty,
+        seed=g.seed,
+    )
 
 
 def _generate_parser() -> argparse.ArgumentParser:
@@ -67,43 +84,48 @@ def generate_main(argv: list[str] | None = None) -> int:
         return 2
 
     def work(ctx):
-        from .generation import SamplingParams, generate
+        from .engine import Engine, worker_loop
         from .loader import load_model
 
         loaded = load_model(cfg, ctx)
         prompts = args.prompt or ["The capital of France is"]
-        g = cfg.generation
-        params = SamplingParams(
-            max_new_tokens=args.max_new_tokens or g.max_new_tokens,
-            do_sample=g.do_sample and not args.greedy,
-            temperature=g.temperature,
-            top_k=g.top_k,
-            top_p=g.top_p,
-            repetition_penalty=g.repetition_penalty,
-            seed=g.seed,
-        )
-        if params.max_new_tokens <= 0:
-            raise ValueError(f"--max-new-tokens={params.max_new_tokens} must be > 0")
-        tok, ids = None, None
+        params = sampling_params(cfg, max_new_tokens=args.max_new_tokens, greedy=args.greedy)
+        error, tok, ids, slots, max_seq = None, None, None, 0, 0
         if ctx.is_rank0:
-            tok = load_tokenizer(loaded.model_dir)
-            ids = [tok.encode(p, add_special_tokens=False).ids for p in prompts]
-        done = generate(loaded, ctx, ids, [params] * len(prompts) if ctx.is_rank0 else None)
+            try:
+                params.check()
+                tok = load_tokenizer(loaded.model_dir)
+                ids = [tok.encode(p, add_special_tokens=False).ids for p in prompts]
+                if not all(ids):
+                    raise ValueError("--prompt: a prompt is empty (no tokens)")
+                slots = min(cfg.server.max_batch_slots, len(ids))
+                max_seq = max(len(i) for i in ids) + params.max_new_tokens
+            except ValueError as e:
+                error = str(e)
+        error, slots, max_seq = broadcast_object((error, slots, max_seq), ctx)
+        if error:
+            raise ValueError(error)
         if not ctx.is_rank0:
+            worker_loop(loaded, ctx, slots, max_seq)
             return
-        for prompt, c in zip(prompts, done):
-            text = tok.decode(c.token_ids, skip_special_tokens=True)
+        engine = Engine(loaded, ctx, tok, slots=slots, max_seq=max_seq)
+        results: dict[int, object] = {}
+        for i, p in enumerate(ids):
+            engine.submit(p, params, lambda ev, i=i: ev.kind == "done" and results.update({i: ev}))
+        engine.run(until_idle=True)
+        for i, prompt in enumerate(prompts):
+            r = results[i].result
             if args.json:
                 record = {
                     "prompt": prompt,
-                    "text": text,
-                    "prompt_token_ids": c.prompt_token_ids,
-                    "token_ids": c.token_ids,
-                    "finish_reason": c.finish_reason,
+                    "text": r.text,
+                    "prompt_token_ids": r.prompt_token_ids,
+                    "token_ids": r.token_ids,
+                    "finish_reason": r.finish_reason,
                 }
                 print(json.dumps(record, ensure_ascii=False), flush=True)
             else:
-                print(f"{prompt}{text}", flush=True)
+                print(f"{prompt}{r.text}", flush=True)
 
     return run_rank(work, cfg)
 

@@ -9,6 +9,7 @@ and streaming (the engine builds on the same pieces).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -26,8 +27,32 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    typical_p: float = 1.0
     repetition_penalty: float = 1.0
     seed: int = 0
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+
+    def check(self) -> SamplingParams:
+        """A ValueError naming the first bad field (the server maps it to 422 / 400)."""
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0")
+        for key in ("top_p", "typical_p"):
+            value = getattr(self, key)
+            if not 0 < value <= 1:
+                raise ValueError(f"{key}={value!r} must be in (0, 1]")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty={self.repetition_penalty!r} must be > 0")
+        if len(self.stop) > MAX_STOP or any(not s for s in self.stop):
+            raise ValueError(f"stop: at most {MAX_STOP} non-empty strings, got {list(self.stop)!r}")
+        return self
+
+
+MAX_STOP = 8
 
 
 @dataclass
@@ -42,8 +67,8 @@ def process_logits(
 ) -> torch.Tensor:
     """One row's logits (V,) float32 -> the processed logits sampling draws from.
 
-    Order as in transformers: repetition penalty, temperature, top-k, top-p. Removed tokens get
-    -inf. `seen` holds the token ids (prompt and generated) the repetition penalty applies to.
+    Order as in transformers: repetition penalty, temperature, top-k, top-p, typical-p. Removed
+    tokens get -inf. `seen`: the token ids (prompt and generated) the repetition penalty sees.
     """
     if params.repetition_penalty != 1.0 and seen is not None and seen.numel():
         picked = logits[seen]
@@ -64,6 +89,18 @@ def process_logits(
         # Drop a token when the mass before it already reaches top_p; the first always stays.
         drop_sorted = (cum - sorted_logits.softmax(-1)) >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if params.typical_p < 1.0:
+        # Keep the tokens whose surprise is closest to the entropy, up to typical_p of the mass.
+        logp = logits.log_softmax(-1)
+        p = logp.exp()
+        entropy = -(logp * p).nansum()
+        distance = (-logp - entropy).abs()
+        order = torch.argsort(distance)
+        cum = p[order].cumsum(-1)
+        keep_n = int((cum < params.typical_p).sum().clamp(max=logits.numel() - 1)) + 1
+        drop = torch.ones_like(logits, dtype=torch.bool)
+        drop[order[:keep_n]] = False
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
 
@@ -86,11 +123,13 @@ class RowSampler:
             self.gen = torch.Generator(device=device)
             self.gen.manual_seed(params.seed)
 
-    def next_token(self, logits: torch.Tensor) -> int:
+    def next_token(self, logits: torch.Tensor) -> tuple[int, float]:
+        """The next token and its log-probability under the distribution it was drawn from."""
         logits = process_logits(logits.float(), self.params, self.seen)
         token = choose_token(logits, self.params, self.gen)
         self.seen = torch.cat([self.seen, self.seen.new_tensor([token])])
-        return token
+        logprob = float(logits.log_softmax(-1)[token]) if self.params.logprobs else 0.0
+        return token, logprob
 
 
 def generate(
@@ -135,7 +174,7 @@ def generate(
                 if out[b].finish_reason:
                     step[b] = shape.pad_token_id
                     continue
-                token = samplers[b].next_token(logits[b])
+                token, _ = samplers[b].next_token(logits[b])
                 out[b].token_ids.append(token)
                 step[b] = token
                 if token == shape.eos_token_id:

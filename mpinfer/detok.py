@@ -1,0 +1,58 @@
+"""Incremental detokenization with stop strings, for streaming.
+
+`TextStream.add(token)` returns the text that can be shown now. It never returns a broken UTF-8
+character (a byte-level token can end inside one: the decoded tail is then U+FFFD, held until
+the next token completes it), and never returns text that a stop string may still claim: the
+longest tail that is a prefix of some stop string is held back until it is decided. When a stop
+string appears, the text ends just before it. What is not here: sampling, or the stop on EOS.
+"""
+
+from __future__ import annotations
+
+
+class TextStream:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.tok = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # ids[:prefix_offset] are already in self.text
+        self.read_offset = 0
+        self.text = ""  # all complete text so far
+        self.emitted = 0  # characters of self.text handed out
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; the newly showable text (possibly empty)."""
+        self.ids.append(token_id)
+        # Decode a short window starting at a character boundary, not the whole sequence.
+        before = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._release()
+
+    def _release(self) -> str:
+        for s in self.stop:
+            at = self.text.find(s, max(0, self.emitted - len(s)))
+            if at != -1:
+                self.text = self.text[:at]
+                self.stopped = True
+                return self.flush()
+        hold = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(s[:k]):
+                    hold = k
+                    break
+        end = max(self.emitted, len(self.text) - hold)
+        out, self.emitted = self.text[self.emitted : end], end
+        return out
+
+    def flush(self) -> str:
+        """Everything not yet handed out (the request has ended)."""
+        out, self.emitted = self.text[self.emitted :], len(self.text)
+        return out

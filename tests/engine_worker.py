@@ -1,0 +1,190 @@
+"""Runs under torchrun (tp=2) for the engine tests: a sequence of engine scenarios on one set of
+process groups; rank 0 writes what each produced as JSON.
+
+    torchrun --standalone --nproc-per-node 2 tests/engine_worker.py MODEL_DIR OUT.json [fault]
+
+With `fault`, rank 1's model raises on its third forward instead (the fault-injection test).
+"""
+
+import dataclasses
+import json
+import sys
+import threading
+
+from mpinfer.cli import load_tokenizer
+from mpinfer.config import load_config
+from mpinfer.dist import init_distributed, teardown
+from mpinfer.engine import Engine, QueueFull, worker_loop
+from mpinfer.generation import SamplingParams
+from mpinfer.loader import load_model
+
+SLOTS, MAX_SEQ = 4, 96
+PROMPTS = [
+    "the capital of france is", "river", "a model token weight matrix rank group tensor server",
+    "king queen", "water light people world time year number prompt answer question stream", "of",
+    "paris city", "the of and to in is was for on that with as by at from it his an",
+]  # fmt: skip
+BUDGETS = [12, 20, 7, 16, 9, 14, 5, 11]
+
+
+def collect(engine, prompt_ids, params, events=None):
+    box = {}
+
+    def sink(ev):
+        if events is not None:
+            events.append(ev)
+        if ev.kind in ("done", "error"):
+            box["result"] = ev.result
+            box["error"] = ev.error
+
+    req = engine.submit(prompt_ids, params, sink)
+    return req, box
+
+
+def as_dict(r):
+    return dataclasses.asdict(r)
+
+
+def scenarios(loaded, ctx, tok):
+    """Each yields an Engine that it drives with run(); the workers mirror with worker_loop."""
+    enc = [tok.encode(p, add_special_tokens=False).ids for p in PROMPTS]
+    greedy = [SamplingParams(max_new_tokens=b) for b in BUDGETS]
+    out = {}
+
+    # 1. Each request alone, one after another.
+    alone = []
+    for ids, params in zip(enc, greedy):
+        engine = Engine(loaded, ctx, tok, slots=SLOTS, max_seq=MAX_SEQ)
+        _, box = collect(engine, ids, params)
+        engine.run(until_idle=True)
+        alone.append(as_dict(box["result"]))
+    out["alone"] = alone
+
+    # 2. All eight at once (4 slots: half wait in the queue, then join as others leave), plus a
+    #    request that arrives while the first ones decode.
+    engine = Engine(loaded, ctx, tok, slots=SLOTS, max_seq=MAX_SEQ)
+    boxes = [collect(engine, ids, p)[1] for ids, p in zip(enc, greedy)]
+    engine.run(until_idle=True)
+    out["batched"] = [as_dict(b["result"]) for b in boxes]
+
+    engine = Engine(loaded, ctx, tok, slots=SLOTS, max_seq=MAX_SEQ)
+    first_events, late = [], {}
+
+    def feeder():
+        while sum(e.kind == "token" for e in first_events) < 4:
+            pass
+        late["box"] = collect(engine, enc[2], greedy[2])[1]
+
+    _, first = collect(engine, enc[1], greedy[1], first_events)
+    t = threading.Thread(target=feeder)
+    t.start()
+    engine.run(until_idle=True)
+    t.join()
+    out["join"] = {"first": as_dict(first["result"]), "late": as_dict(late["box"]["result"])}
+
+    # 3. Seeded sampling alone, twice, and inside a batch of other sampled requests.
+    sampled = SamplingParams(max_new_tokens=15, do_sample=True, temperature=0.9, top_k=50,
+                             top_p=0.95, seed=1234)  # fmt: skip
+    runs = []
+    for others in (0, 0, 3):
+        engine = Engine(loaded, ctx, tok, slots=SLOTS, max_seq=MAX_SEQ)
+        for k in range(others):
+            collect(engine, enc[3 + k], dataclasses.replace(sampled, seed=k))
+        _, box = collect(engine, enc[0], sampled)
+        engine.run(until_idle=True)
+        runs.append(box["result"].token_ids)
+    out["seeded"] = runs
+
+    # 4. Stop strings: a stop made of the text of several generated tokens; events are recorded.
+    ref = alone[0]
+    pieces = [tok.decode([t]) for t in ref["token_ids"]]
+    stop = "".join(pieces[3:6])
+    engine = Engine(loaded, ctx, tok, slots=SLOTS, max_seq=MAX_SEQ)
+    events = []
+    _, box = collect(engine, enc[0], dataclasses.replace(greedy[0], stop=(stop, "\u2603")), events)
+    engine.run(until_idle=True)
+    out["stop"] = {
+        "stop": stop,
+        "result": as_dict(box["result"]),
+        "streamed": "".join(e.text for e in events),
+        "deltas": [e.text for e in events],
+    }
+
+    # 5. EOS: pretend the 4th greedy token is EOS.
+    eos = ref["token_ids"][3]
+    eos_loaded = dataclasses.replace(
+        loaded, shape=dataclasses.replace(loaded.shape, eos_token_id=eos)
+    )
+    engine = Engine(eos_loaded, ctx, tok, slots=SLOTS, max_seq=MAX_SEQ)
+    _, box = collect(engine, enc[0], greedy[0])
+    engine.run(until_idle=True)
+    out["eos"] = {"eos": eos, "result": as_dict(box["result"])}
+
+    # 6. Cancel a long request after two tokens; its slot is free at the next step.
+    engine = Engine(loaded, ctx, tok, slots=SLOTS, max_seq=MAX_SEQ)
+    events = []
+    req, box = collect(engine, enc[0], SamplingParams(max_new_tokens=60), events)
+
+    def canceller():
+        while sum(e.kind == "token" for e in events) < 2:
+            pass
+        engine.cancel(req)
+
+    t = threading.Thread(target=canceller)
+    t.start()
+    engine.run(until_idle=True)
+    t.join()
+    out["cancel"] = {"result": as_dict(box["result"]), "free": len(engine.free),
+                     "running": engine.running_slots}  # fmt: skip
+
+    # 7. A full queue rejects with a clear error (no run needed; stop ends the workers' loop).
+    engine = Engine(loaded, ctx, tok, slots=SLOTS, max_seq=MAX_SEQ, max_queue=2)
+    collect(engine, enc[0], greedy[0])
+    collect(engine, enc[1], greedy[1])
+    try:
+        collect(engine, enc[2], greedy[2])
+        out["queue_full"] = ""
+    except QueueFull as e:
+        out["queue_full"] = str(e)
+    try:
+        collect(engine, enc[2], SamplingParams(max_new_tokens=MAX_SEQ))
+        out["too_long"] = ""
+    except ValueError as e:
+        out["too_long"] = str(e)
+    engine.run(until_idle=True)
+    return out
+
+
+N_SCENARIOS = 8 + 1 + 1 + 3 + 1 + 1 + 1 + 1
+
+
+def main(model_dir, out_path, fault=False):
+    cfg = load_config(None, [f'model.path="{model_dir}"', 'quant.method="none"',
+                             "parallel.timeout_s=30"])  # fmt: skip
+    ctx = init_distributed(timeout_s=cfg.parallel.timeout_s)
+    try:
+        loaded = load_model(cfg, ctx)
+        if fault and ctx.rank == 1:
+            calls = {"n": 0}
+            forward = loaded.model.forward
+
+            def faulty(*a, **k):
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    raise RuntimeError("injected fault in rank 1's step")
+                return forward(*a, **k)
+
+            loaded.model.forward = faulty
+        if ctx.is_rank0:
+            out = scenarios(loaded, ctx, load_tokenizer(model_dir))
+            with open(out_path, "w") as f:
+                json.dump(out, f)
+        else:
+            for _ in range(N_SCENARIOS):
+                worker_loop(loaded, ctx, SLOTS, MAX_SEQ)
+    finally:
+        teardown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], fault=len(sys.argv) > 3)
