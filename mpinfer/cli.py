@@ -221,7 +221,12 @@ def _extra_commands() -> dict:
     """Subcommands defined in other modules (kept there, next to what they drive)."""
     from . import sharded
 
-    return {"shard": sharded.shard_main, "verify": sharded.verify_main}
+    def bench(argv):
+        from .bench import bench_main
+
+        return bench_main(argv)
+
+    return {"shard": sharded.shard_main, "verify": sharded.verify_main, "bench": bench}
 
 
 if __name__ == "__main__":

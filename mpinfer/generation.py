@@ -153,7 +153,8 @@ def generate(
     for b, p in enumerate(prompts):
         ids[b, longest - len(p) :] = torch.tensor(p)  # left padding
     valid_from = torch.tensor([longest - len(p) for p in prompts], device=device)
-    slots = torch.arange(B, device=device)
+    slots = slice(0, B)  # a static batch: contiguous slots, read through views
+    zeros = torch.zeros(B, dtype=torch.long, device=device)
     out = [Completion(list(p)) for p in prompts]
     samplers = [RowSampler(p, sp, device) for p, sp in zip(prompts, params)] if ctx.is_rank0 else []
 
@@ -161,7 +162,7 @@ def generate(
         ids.to(device),
         cache,
         slots=slots,
-        start_pos=torch.zeros_like(slots),
+        start_pos=zeros,
         valid_from=valid_from,
         kv_len=longest,
     )
@@ -190,7 +191,7 @@ def generate(
             step[:B, None],
             cache,
             slots=slots,
-            start_pos=torch.full_like(slots, pos),
+            start_pos=zeros + pos,
             valid_from=valid_from,
             kv_len=pos + 1,
         )

@@ -13,7 +13,7 @@ With tp_size == 1 the collectives are skipped.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,18 +26,31 @@ from .quant import LinearMethod, _empty
 
 @dataclass(frozen=True)
 class TPGroup:
+    """This rank's place in the tensor-parallel group. With tp_size > 1 and no group, the rank is
+    simulated (one rank's shard on one GPU): collectives are skipped and counted."""
+
     tp_rank: int
     tp_size: int
-    group: Any = None  # the compute ProcessGroup; None when tp_size == 1
+    group: Any = None  # the compute ProcessGroup; None when tp_size == 1 or simulated
+    skipped: dict = field(default_factory=dict, compare=False)  # collective -> count
+
+    @property
+    def is_simulated(self) -> bool:
+        return self.tp_size > 1 and self.group is None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size > 1:
+        if self.is_simulated:
+            self.skipped["all_reduce"] = self.skipped.get("all_reduce", 0) + 1
+        elif self.tp_size > 1:
             dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return x
+        if self.is_simulated:
+            self.skipped["all_gather"] = self.skipped.get("all_gather", 0) + 1
+            return x.repeat_interleave(self.tp_size, dim=-1)  # the gathered shape, not values
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
@@ -65,6 +78,8 @@ class RowParallelLinear(nn.Module):
         self.bias = _empty((out_features,), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.tp_size == 1:  # no sum to wait for: the matmul adds the bias itself
+            return self.method.apply(self, x, self.bias)
         partial = self.method.apply(self, x, None)  # (..., out_features), this rank's share
         return self.tp.all_reduce(partial) + self.bias  # the bias once, after the sum
 

@@ -182,7 +182,11 @@ def _stream_rank0(model, plans, ckpt: HFCheckpoint, tp_size, dtype, ctx: DistCon
             for r in range(tp_size):
                 rng = plan.rank_range(r, tp_size)
                 piece = ckpt.read(plan.name, *rng) if rng else ckpt.read(plan.name)
-                tensors = shard_tensor(plan, piece, tp_size, dtype)
+                # On a GPU, quantize there (much faster); what goes to other ranks returns to
+                # host memory as int8, half the bytes of the fp16 source.
+                tensors = shard_tensor(plan, piece.to(ctx.device), tp_size, dtype)
+                if r > 0:
+                    tensors = {k: t.cpu() for k, t in tensors.items()}
                 del piece
                 for w in pending:  # the previous slice is on its way; now let it go
                     w.wait()

@@ -6,7 +6,9 @@ not here: loading (loader.py), sampling (generation.py), the TP plan (plan.py).
 
 One forward serves prefill and decode for any set of cache slots: row b writes its T new tokens
 at cache positions [start_pos[b], start_pos[b] + T) of slot slots[b] and attends to positions
-[valid_from[b], start_pos[b] + t]; positions before valid_from[b] are left padding.
+[valid_from[b], start_pos[b] + t]; positions before valid_from[b] are left padding. `slots` may
+be a slice (a contiguous run of slots), which reads the cache through views; `DecodeGraph`
+captures that decode step in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -43,17 +45,14 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
 
 
 def bloom_gelu(x: torch.Tensor) -> torch.Tensor:
-    # BLOOM's tanh approximation, written out as the reference implementation has it.
-    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+    # BLOOM's gelu is the tanh approximation (its constant 0.79788456 is sqrt(2/pi) to 8
+    # digits); torch's fused kernel computes the same function in one pass instead of seven.
+    return F.gelu(x, approximate="tanh")
 
 
 @dataclass
 class KVCache:
-    """Per layer K and V, each (slots, max_seq, heads_per_rank, head_dim).
-
-    Sequence before heads (not DESIGN's heads-first) so that writing T new tokens of B rows is one
-    index_put over (slot, position) pairs.
-    """
+    """Per layer K and V, each (slots, heads_per_rank, max_seq, head_dim)."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
@@ -61,7 +60,7 @@ class KVCache:
     @classmethod
     def allocate(cls, shape: BloomShape, tp_size: int, *, slots: int, max_seq: int, dtype, device):
         heads = shape.n_head // tp_size
-        dims = (slots, max_seq, heads, shape.head_dim)
+        dims = (slots, heads, max_seq, shape.head_dim)
         k = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.n_layer)]
         v = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.n_layer)]
         return cls(k, v)
@@ -72,7 +71,11 @@ class KVCache:
 
     @property
     def max_seq(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
+
+    @staticmethod
+    def bytes_per_token(shape: BloomShape, tp_size: int, dtype: torch.dtype) -> int:
+        return 2 * shape.n_layer * (shape.hidden_size // tp_size) * dtype.itemsize
 
 
 class BloomAttention(nn.Module):
@@ -84,15 +87,32 @@ class BloomAttention(nn.Module):
         self.query_key_value = ColumnParallelLinear(h, 3 * h, tp=tp, method=method, dtype=dtype)
         self.dense = RowParallelLinear(h, h, tp=tp, method=method, dtype=dtype)
 
-    def forward(self, x, bias, k_cache, v_cache, slots, positions, kv_len):
+    def forward(self, x, bias, k_cache, v_cache, slots, positions, kv_len, fused=None):
         B, T, _ = x.shape
         qkv = self.query_key_value(x)  # (B, T, heads_per_rank * 3 * head_dim)
+        if fused is not None:  # one query token per row, on the GPU: one kernel (kernels/)
+            from .kernels.attention import decode_attention
+
+            slot_ids, start_pos, valid_from, slopes = fused
+            out = decode_attention(qkv[:, 0], k_cache, v_cache, slot_ids, start_pos, valid_from,
+                                   slopes)  # fmt: skip
+            return self.dense(out[:, None])  # (B, 1, hidden)
         qkv = qkv.view(B, T, self.num_heads_per_rank, 3, self.head_dim)
         q, k, v = qkv.unbind(dim=3)  # each (B, T, heads_per_rank, head_dim)
-        k_cache[slots[:, None], positions] = k
-        v_cache[slots[:, None], positions] = v
-        keys = k_cache[slots, :kv_len].transpose(1, 2)  # (B, heads_per_rank, L, head_dim)
-        values = v_cache[slots, :kv_len].transpose(1, 2)
+        if isinstance(slots, slice):
+            # A contiguous run of slots: views, no gather (the static-batch and CUDA-graph path).
+            k_cache, v_cache = k_cache[slots], v_cache[slots]
+            rows = torch.arange(B, device=x.device)[:, None]
+        else:
+            rows = slots[:, None]
+        # Advanced indices around a slice: the indexed view is (B, T, heads_per_rank, head_dim).
+        k_cache[rows, :, positions] = k
+        v_cache[rows, :, positions] = v
+        if isinstance(slots, slice):
+            keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+        else:
+            keys, values = k_cache[slots, :, :kv_len], v_cache[slots, :, :kv_len]
+        # keys, values: (B, heads_per_rank, L, head_dim)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=bias)
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, heads_per_rank * head_dim)
         return self.dense(out)
@@ -119,10 +139,11 @@ class BloomBlock(nn.Module):
         self.post_attention_layernorm = nn.LayerNorm(h, eps=eps, dtype=dtype)
         self.mlp = BloomMLP(shape, tp, method, dtype)
 
-    def forward(self, x, bias, k_cache, v_cache, slots, positions, kv_len):
+    def forward(self, x, bias, k_cache, v_cache, slots, positions, kv_len, fused=None):
         ln = self.input_layernorm(x)
         residual = ln if self.post_ln_residual else x
-        x = self.self_attention(ln, bias, k_cache, v_cache, slots, positions, kv_len) + residual
+        attn = self.self_attention(ln, bias, k_cache, v_cache, slots, positions, kv_len, fused)
+        x = attn + residual
         ln = self.post_attention_layernorm(x)
         residual = ln if self.post_ln_residual else x
         return self.mlp(ln) + residual
@@ -149,6 +170,8 @@ class BloomModel(nn.Module):
         self.ln_f = nn.LayerNorm(h, eps=shape.layer_norm_epsilon, dtype=dtype)
         self.lm_head = ParallelLMHead(self.word_embeddings)
         self.slopes: torch.Tensor | None = None
+        # Fused GPU kernels for the decode step where they apply (off: the eager reference).
+        self.use_kernels = True
 
     def after_load(self, device: torch.device) -> None:
         """Per-rank constants that are not weights: this rank's ALiBi slopes."""
@@ -158,7 +181,7 @@ class BloomModel(nn.Module):
 
     def attention_bias(self, positions, valid_from, kv_len):
         """ALiBi + mask, (B, heads_per_rank, T, L): slope * (key position - valid_from)."""
-        key_pos = torch.arange(kv_len, device=positions.device)
+        key_pos = torch.arange(kv_len, device=positions.device)  # (L,)
         valid = (key_pos >= valid_from[:, None, None]) & (key_pos <= positions[:, :, None])
         distance = (key_pos[None, :] - valid_from[:, None]).to(self.dtype)  # (B, L)
         bias = self.slopes.to(self.dtype)[None, :, None, None] * distance[:, None, None, :]
@@ -171,7 +194,7 @@ class BloomModel(nn.Module):
         input_ids: torch.Tensor,
         cache: KVCache,
         *,
-        slots: torch.Tensor,
+        slots: torch.Tensor | slice,
         start_pos: torch.Tensor,
         valid_from: torch.Tensor,
         kv_len: int,
@@ -180,10 +203,52 @@ class BloomModel(nn.Module):
         """input_ids (B, T) -> logits (B, vocab) for the last token, or (B, T, vocab)."""
         T = input_ids.shape[1]
         positions = start_pos[:, None] + torch.arange(T, device=input_ids.device)  # (B, T)
-        bias = self.attention_bias(positions, valid_from, kv_len)
+        fused, bias = None, None
+        if T == 1 and input_ids.is_cuda and self.use_kernels:
+            slot_ids = slots
+            if isinstance(slots, slice):
+                slot_ids = torch.arange(slots.start or 0, slots.stop, device=input_ids.device)
+            fused = (slot_ids, start_pos, valid_from, self.slopes)
+        else:
+            bias = self.attention_bias(positions, valid_from, kv_len)
         x = self.word_embeddings_layernorm(self.word_embeddings(input_ids))  # (B, T, hidden)
         for i, block in enumerate(self.h):
-            x = block(x, bias, cache.k[i], cache.v[i], slots, positions, kv_len)
+            x = block(x, bias, cache.k[i], cache.v[i], slots, positions, kv_len, fused)
         if last_only:
             x = x[:, -1]
         return self.lm_head(self.ln_f(x))
+
+
+class DecodeGraph:
+    """The decode step of a static batch (slots 0..B-1, attention over the whole cache) captured
+    in a CUDA graph: one replay launches every kernel of the step. Rebuild it for another batch
+    size or cache length."""
+
+    def __init__(self, model: BloomModel, cache: KVCache, batch: int):
+        device = cache.k[0].device
+        self.ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
+        self.start_pos = torch.zeros(batch, dtype=torch.long, device=device)
+        self.valid_from = torch.zeros(batch, dtype=torch.long, device=device)
+        kw = dict(slots=slice(0, batch), kv_len=cache.max_seq)
+
+        def step():
+            return model(
+                self.ids, cache, start_pos=self.start_pos, valid_from=self.valid_from, **kw
+            )
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up: autotuning and lazy init happen outside the capture
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = step()
+
+    def __call__(self, ids: torch.Tensor, start_pos: torch.Tensor, valid_from: torch.Tensor):
+        self.ids.copy_(ids)
+        self.start_pos.copy_(start_pos)
+        self.valid_from.copy_(valid_from)
+        self.graph.replay()
+        return self.logits

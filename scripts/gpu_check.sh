@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Everything this project runs on the GPU machine, in one call (the device tool's $OUT collects
+# the results):  bash scripts/gpu_check.sh [smoke|full]
+# Installs carried wheels (bitsandbytes, pytest) into /tmp/site, runs the GPU tests, then the
+# benchmark: smoke = bloom-560m shape only; full = bloom-7b1 shape + the simulated tp-8 rank.
+set -uo pipefail
+mode=${1:-full}
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers, bitsandbytes; print(torch.__version__, triton.__version__, transformers.__version__, bitsandbytes.__version__)" | tee -a "$OUT/gpu.txt"
+python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -25 | tee "$OUT/gpu-tests.txt"
+if [ "$mode" = smoke ]; then
+    python3 -m mpinfer.cli bench gpu --shape bloom-560m --out "$OUT/gpu-smoke.json" 2>&1 | tail -30
+else
+    python3 -m mpinfer.cli bench gpu --shape bloom-7b1 --simulate-tp 8 --out "$OUT/gpu-h200.json" 2>&1 | tail -40
+fi

@@ -1,0 +1,103 @@
+"""GPU tests (run on the GPU machine: pytest -m gpu). The Triton kernels against the pure-torch
+reference on fresh random inputs, odd shapes included; the CUDA-graph decode step against the
+eager one; the fp16 model on the GPU against the fp32 model on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpinfer.quant import int8_linear_reference, quantize_rows
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "M, N, K",
+    [(1, 4096, 4096), (1, 12288, 4096), (3, 1000, 1000), (8, 513, 777), (17, 2048, 16384),
+     (32, 5376, 14336), (64, 300, 128), (100, 4096, 4096), (2048, 1024, 4096)],
+)  # fmt: skip
+def test_int8_linear_matches_reference(M, N, K, dtype):
+    from mpinfer.kernels import int8_linear
+
+    g = torch.Generator(device="cuda").manual_seed(M * 7 + N)
+    q, scale = quantize_rows(torch.randn(N, K, device="cuda", generator=g))
+    x = torch.randn(M, K, device="cuda", generator=g, dtype=dtype)
+    bias = torch.randn(N, device="cuda", generator=g, dtype=dtype)
+    ours = int8_linear(x, q, scale, bias).float()
+    ref = int8_linear_reference(x.float(), q, scale, bias.float())
+    # fp32 accumulation in both; the output rounding of a 16-bit float is 2^-8 (bf16) or 2^-11
+    # (fp16) relative, and values are ~sqrt(K): a relative 1e-2 bound with an absolute floor.
+    torch.testing.assert_close(ours, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
+def test_decode_graph_equals_eager_steps(tmp_path):
+    from mpinfer.layers import TPGroup
+    from mpinfer.model import BloomModel, DecodeGraph, KVCache
+    from mpinfer.plan import BloomShape
+    from mpinfer.quant import Int8Method
+
+    shape = BloomShape(vocab_size=3000, hidden_size=256, n_layer=3, n_head=8)
+    tp = TPGroup(0, 1)
+    from mpinfer.bench import randomize_model
+
+    model = BloomModel(shape, tp, method=Int8Method(), dtype=torch.float16).to_empty(device="cuda")
+    randomize_model(model, seed=0)
+    B, ctx = 4, 20
+    cache = KVCache.allocate(shape, 1, slots=B, max_seq=64, dtype=torch.float16, device="cuda")
+    ids = torch.randint(4, 3000, (B, ctx), device="cuda")
+    zeros = torch.zeros(B, dtype=torch.long, device="cuda")
+    model(ids, cache, slots=slice(0, B), start_pos=zeros, valid_from=zeros, kv_len=ctx)
+    ref_cache = KVCache([k.clone() for k in cache.k], [v.clone() for v in cache.v])
+    graph = DecodeGraph(model, cache, B)  # its warm-up writes position 0: restore the cache
+    for k, v, rk, rv in zip(cache.k, cache.v, ref_cache.k, ref_cache.v):
+        k.copy_(rk)
+        v.copy_(rv)
+    token = torch.randint(4, 3000, (B, 1), device="cuda")
+    for step in range(5):
+        pos = zeros + ctx + step
+        eager = model(token, ref_cache, slots=slice(0, B), start_pos=pos, valid_from=zeros,
+                      kv_len=ctx + step + 1)  # fmt: skip
+        graphed = graph(token, pos, zeros)
+        torch.testing.assert_close(graphed.float(), eager.float(), rtol=2e-3, atol=2e-2)
+        token = eager.argmax(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_decode_attention_matches_eager_model(dtype):
+    from mpinfer.bench import randomize_model
+    from mpinfer.layers import TPGroup
+    from mpinfer.model import BloomModel, KVCache
+    from mpinfer.plan import BloomShape
+    from mpinfer.quant import Int8Method
+
+    shape = BloomShape(vocab_size=3000, hidden_size=384, n_layer=2, n_head=6)
+    model = BloomModel(shape, TPGroup(0, 1), method=Int8Method(), dtype=dtype)
+    model = model.to_empty(device="cuda")
+    randomize_model(model, seed=1)
+    B = 3
+    slots = torch.tensor([2, 0, 5], device="cuda")
+    lens = [37, 5, 90]
+    caches = [KVCache.allocate(shape, 1, slots=6, max_seq=128, dtype=dtype, device="cuda")
+              for _ in range(2)]  # fmt: skip
+    for b, n in enumerate(lens):  # prefill each row's history (eager path, T > 1)
+        ids = torch.randint(4, 3000, (1, n), device="cuda")
+        z = torch.zeros(1, dtype=torch.long, device="cuda")
+        for c in caches:
+            model(ids, c, slots=slots[b : b + 1], start_pos=z, valid_from=z, kv_len=n)
+    valid_from = torch.tensor([4, 0, 10], device="cuda")  # rows 0 and 2 are left-padded
+    token = torch.randint(4, 3000, (B, 1), device="cuda")
+    pos = torch.tensor(lens, device="cuda")
+    outs = []
+    for use_kernels, c in zip((True, False), caches):
+        model.use_kernels = use_kernels
+        outs.append(model(token, c, slots=slots, start_pos=pos, valid_from=valid_from,
+                          kv_len=max(lens) + 1).float())  # fmt: skip
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=5e-2)
+    assert (outs[0].argmax(-1) == outs[1].argmax(-1)).all()
+    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+        torch.testing.assert_close(a, b)  # the fused kernel wrote the same K/V
