@@ -50,6 +50,15 @@ def bloom_gelu(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def layer_norm(ln: nn.LayerNorm, x: torch.Tensor, use_kernel: bool) -> torch.Tensor:
+    """`ln(x)`, through the few-rows Triton kernel on the GPU decode path."""
+    if use_kernel:
+        from .kernels.layernorm import layer_norm_rows
+
+        return layer_norm_rows(x, ln.weight, ln.bias, ln.eps)
+    return ln(x)
+
+
 @dataclass
 class KVCache:
     """Per layer K and V, each (slots, heads_per_rank, max_seq, head_dim)."""
@@ -140,11 +149,11 @@ class BloomBlock(nn.Module):
         self.mlp = BloomMLP(shape, tp, method, dtype)
 
     def forward(self, x, bias, k_cache, v_cache, slots, positions, kv_len, fused=None):
-        ln = self.input_layernorm(x)
+        ln = layer_norm(self.input_layernorm, x, fused is not None)
         residual = ln if self.post_ln_residual else x
         attn = self.self_attention(ln, bias, k_cache, v_cache, slots, positions, kv_len, fused)
         x = attn + residual
-        ln = self.post_attention_layernorm(x)
+        ln = layer_norm(self.post_attention_layernorm, x, fused is not None)
         residual = ln if self.post_ln_residual else x
         return self.mlp(ln) + residual
 
@@ -211,12 +220,13 @@ class BloomModel(nn.Module):
             fused = (slot_ids, start_pos, valid_from, self.slopes)
         else:
             bias = self.attention_bias(positions, valid_from, kv_len)
-        x = self.word_embeddings_layernorm(self.word_embeddings(input_ids))  # (B, T, hidden)
+        x = self.word_embeddings(input_ids)  # (B, T, hidden)
+        x = layer_norm(self.word_embeddings_layernorm, x, fused is not None)
         for i, block in enumerate(self.h):
             x = block(x, bias, cache.k[i], cache.v[i], slots, positions, kv_len, fused)
         if last_only:
             x = x[:, -1]
-        return self.lm_head(self.ln_f(x))
+        return self.lm_head(layer_norm(self.ln_f, x, fused is not None))
 
 
 class DecodeGraph:

@@ -99,5 +99,24 @@ def test_fused_decode_attention_matches_eager_model(dtype):
                           kv_len=max(lens) + 1).float())  # fmt: skip
     torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=5e-2)
     assert (outs[0].argmax(-1) == outs[1].argmax(-1)).all()
-    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
-        torch.testing.assert_close(a, b)  # the fused kernel wrote the same K/V
+    # Layer 0's K/V come from identical inputs: the fused kernel must write them exactly.
+    assert torch.equal(caches[0].k[0], caches[1].k[0]) and torch.equal(
+        caches[0].v[0], caches[1].v[0]
+    )
+    # Deeper layers see the previous layer's (slightly differently rounded) attention output.
+    for a, b in zip(caches[0].k[1:] + caches[0].v[1:], caches[1].k[1:] + caches[1].v[1:]):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("hidden", [64, 1000, 4096, 14336])
+def test_layer_norm_kernel_matches_torch(hidden):
+    from mpinfer.kernels.layernorm import layer_norm_rows
+
+    ln = torch.nn.LayerNorm(hidden, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        ln.weight.normal_()
+        ln.bias.normal_()
+    x = torch.randn(3, 1, hidden, device="cuda", dtype=torch.float16) * 3 + 1
+    ref = torch.nn.functional.layer_norm(x.float(), (hidden,), ln.weight.float(), ln.bias.float())
+    torch.testing.assert_close(layer_norm_rows(x, ln.weight, ln.bias, ln.eps).float(), ref,
+                               rtol=1e-2, atol=1e-2)  # fmt: skip

@@ -1,13 +1,12 @@
 """GPU kernels (Triton), imported only on CUDA. Each has a pure-torch reference in quant.py.
 
 `int8_linear(x, q, scale, bias)` is the W8A16 matmul `(x @ q^T) * scale + bias`:
-- few rows (decode, M <= DECODE_MAX_ROWS): a Triton kernel that streams the int8 weight once,
-  converts each tile to the activation dtype in registers and accumulates on the tensor cores;
-  see w8a16.py.
-- many rows (prefill): the weight is dequantized into a compute-dtype temporary (one pass,
-  1 byte read and 2 written per weight) and cuBLAS does the matmul; at 2048 rows the pass costs
-  a few percent of the matmul. Dequantizing first (not scaling the output) keeps fp16 products
-  of int8 values (up to 127 * sqrt(K)) from overflowing.
+- few rows (decode, M <= DECODE_MAX_ROWS): Triton kernels that stream the int8 weight once and
+  convert it in registers: a GEMV for one row, tensor-core tiles for 2..64 rows; see w8a16.py.
+- many rows (prefill): the weight is dequantized into a compute-dtype temporary (one Triton
+  pass, 1 byte read and 2 written per weight; dequant.py) and cuBLAS does the matmul; at 2048
+  rows the pass costs a few percent of the matmul. Dequantizing first (not scaling the output)
+  keeps fp16 products of int8 values (up to 127 * sqrt(K)) from overflowing.
 """
 
 from __future__ import annotations
@@ -22,10 +21,13 @@ def int8_linear(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    if rows <= DECODE_MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16):
+    if x.dtype not in (torch.float16, torch.bfloat16):  # fp32 on a GPU: the reference
+        return F.linear(x, q.to(x.dtype), None) * scale + (0 if bias is None else bias)
+    if rows <= DECODE_MAX_ROWS:
         from .w8a16 import w8a16_matmul
 
         y = w8a16_matmul(x.reshape(rows, x.shape[-1]), q, scale, bias)
         return y.reshape(*x.shape[:-1], q.shape[0])
-    w = q * scale.to(x.dtype)[:, None]  # int8 * float -> float: one elementwise pass
-    return F.linear(x, w, bias)
+    from .dequant import dequantize
+
+    return F.linear(x, dequantize(q, scale, x.dtype), bias)

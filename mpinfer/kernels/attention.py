@@ -8,10 +8,12 @@ attend over the slot's history, for one query token per row.
     slopes (heads_per_rank,) fp32            this rank's ALiBi slopes
     out (B, heads_per_rank * head_dim)       ready for the dense (row-parallel) layer
 
-Program (b, h) streams the slot's keys and values in BLOCK_L tiles with an online softmax in
-fp32; the new token's key and value come straight from qkv (so no read-after-write of the
-cache inside the program). One launch replaces the view/unbind, two index_puts, the mask and
-bias build, SDPA and the transpose copy of the eager path (reference: model.BloomAttention).
+Flash-decoding: program (b, h, s) streams split s of the slot's keys and values (SPLIT_L
+positions, in BLOCK_L tiles) with an online softmax in fp32, and a second kernel merges the
+splits; batch 1 with 32 heads still fills the GPU. The new token's key and value come straight
+from qkv (no read-after-write of the cache inside a program). Two launches replace the
+view/unbind, two index_puts, the mask and bias build, SDPA and the transpose copy of the eager
+path (the reference: model.BloomAttention).
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ import triton.language as tl
 
 @triton.jit
 def _decode_attention_kernel(
-    qkv_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, pos_ptr, vf_ptr, slope_ptr,
-    stride_qkv, stride_cs, stride_ch, stride_cl, stride_out, scale,
-    HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr,
+    qkv_ptr, k_ptr, v_ptr, ws_ptr, slot_ptr, pos_ptr, vf_ptr, slope_ptr,
+    stride_qkv, stride_cs, stride_ch, stride_cl, scale, n_heads, n_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, SPLIT_L: tl.constexpr,
 ):  # fmt: skip
+    """Program (b, h, s): keys [vf + s*SPLIT_L, ...) below pos, and (s == 0) the new token.
+    Writes its partial softmax state (max, sum, weighted values) to the workspace."""
     b = tl.program_id(0)
     h = tl.program_id(1)
+    s = tl.program_id(2)
     slot = tl.load(slot_ptr + b)
     pos = tl.load(pos_ptr + b)
     vf = tl.load(vf_ptr + b)
@@ -36,33 +41,61 @@ def _decode_attention_kernel(
     d = tl.arange(0, HEAD_DIM)
     base = qkv_ptr + b * stride_qkv + h * 3 * HEAD_DIM
     q = tl.load(base + d).to(tl.float32)
-    k_new = tl.load(base + HEAD_DIM + d)
-    v_new = tl.load(base + 2 * HEAD_DIM + d)
     cache_off = slot.to(tl.int64) * stride_cs + h * stride_ch
-    tl.store(k_ptr + cache_off + pos * stride_cl + d, k_new)
-    tl.store(v_ptr + cache_off + pos * stride_cl + d, v_new)
-
-    # The new token first: it is always attended to (its distance to itself is pos - vf).
-    m = tl.sum(q * k_new.to(tl.float32)) * scale + slope * (pos - vf).to(tl.float32)
-    denom = 1.0
-    acc = v_new.to(tl.float32)
+    m = -float("inf")
+    denom = 0.0
+    acc = tl.zeros((HEAD_DIM,), dtype=tl.float32)
+    if s == 0:
+        k_new = tl.load(base + HEAD_DIM + d)
+        v_new = tl.load(base + 2 * HEAD_DIM + d)
+        tl.store(k_ptr + cache_off + pos * stride_cl + d, k_new)
+        tl.store(v_ptr + cache_off + pos * stride_cl + d, v_new)
+        m = tl.sum(q * k_new.to(tl.float32)) * scale + slope * (pos - vf).to(tl.float32)
+        denom = 1.0
+        acc = v_new.to(tl.float32)
+    lo = vf + s * SPLIT_L
+    hi = tl.minimum(lo + SPLIT_L, pos)
     offs = tl.arange(0, BLOCK_L)
-    for start in tl.range(vf, pos, BLOCK_L):
+    for start in tl.range(lo, hi, BLOCK_L):
         j = start + offs  # (BLOCK_L,) key positions
-        ok = j < pos
+        ok = j < hi
         kv_off = cache_off + j[:, None].to(tl.int64) * stride_cl + d[None, :]
         keys = tl.load(k_ptr + kv_off, mask=ok[:, None], other=0.0).to(tl.float32)
-        s = tl.sum(keys * q[None, :], axis=1) * scale + slope * (j - vf).to(tl.float32)
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new)
         vals = tl.load(v_ptr + kv_off, mask=ok[:, None], other=0.0).to(tl.float32)
+        sc = tl.sum(keys * q[None, :], axis=1) * scale + slope * (j - vf).to(tl.float32)
+        sc = tl.where(ok, sc, -float("inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=0))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(sc - m_new)
         acc = acc * alpha + tl.sum(p[:, None] * vals, axis=0)
         denom = denom * alpha + tl.sum(p, axis=0)
         m = m_new
-    out = acc / denom
+    ws = ws_ptr + ((b * n_heads + h) * n_splits + s) * (HEAD_DIM + 2)
+    tl.store(ws + d, acc)
+    tl.store(ws + HEAD_DIM, m)
+    tl.store(ws + HEAD_DIM + 1, denom)
+
+
+@triton.jit
+def _combine_kernel(ws_ptr, out_ptr, stride_out, n_heads, n_splits,
+                    HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr):  # fmt: skip
+    """Program (b, h): merge the splits' partial softmax states into the output."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_P2)
+    d = tl.arange(0, HEAD_DIM)
+    ws = ws_ptr + (b * n_heads + h) * n_splits * (HEAD_DIM + 2)
+    ok = sp < n_splits
+    m = tl.load(ws + sp * (HEAD_DIM + 2) + HEAD_DIM, mask=ok, other=-float("inf"))
+    den = tl.load(ws + sp * (HEAD_DIM + 2) + HEAD_DIM + 1, mask=ok, other=0.0)
+    acc = tl.load(ws + sp[:, None] * (HEAD_DIM + 2) + d[None, :], mask=ok[:, None], other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(den > 0, tl.exp(m - m_all), 0.0)  # empty splits (m = -inf) weigh nothing
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(den * w, axis=0)
     tl.store(out_ptr + b * stride_out + h * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
+
+
+SPLIT_L = 128  # keys per program: enough programs for batch 1, few splits to merge
 
 
 def decode_attention(
@@ -75,12 +108,20 @@ def decode_attention(
     slopes: torch.Tensor,
 ) -> torch.Tensor:
     B = qkv.shape[0]
-    heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    heads, max_seq, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    # The split count depends only on the cache length, so a captured graph stays valid.
+    n_splits = triton.cdiv(max_seq, SPLIT_L)
+    ws = torch.empty((B, heads, n_splits, head_dim + 2), dtype=torch.float32, device=qkv.device)
     out = torch.empty((B, heads * head_dim), dtype=qkv.dtype, device=qkv.device)
-    _decode_attention_kernel[(B, heads)](
-        qkv, k_cache, v_cache, out, slot_ids, positions, valid_from, slopes,
-        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
-        head_dim**-0.5, HEAD_DIM=head_dim, BLOCK_L=64, num_warps=4,
+    _decode_attention_kernel[(B, heads, n_splits)](
+        qkv, k_cache, v_cache, ws, slot_ids, positions, valid_from, slopes,
+        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        head_dim**-0.5, heads, n_splits,
+        HEAD_DIM=head_dim, BLOCK_L=64, SPLIT_L=SPLIT_L, num_warps=4,
+    )  # fmt: skip
+    _combine_kernel[(B, heads)](
+        ws, out, out.stride(0), heads, n_splits,
+        HEAD_DIM=head_dim, SPLITS_P2=triton.next_power_of_2(n_splits), num_warps=2,
     )  # fmt: skip
     return out

@@ -1,5 +1,7 @@
 """W8A16 matmul for few rows (decode): y = (x @ q^T) * scale + bias, in Triton.
 
+Two kernels: `_gemv_kernel` for one row (batch-1 decode), `_w8a16_kernel` for 2..64 rows.
+
     x (M, K) fp16/bf16    q (N, K) int8, row-major    scale (N,) fp32    y (M, N) x.dtype
 
 Program (pid_n, pid_m) owns a BLOCK_M x BLOCK_N tile of y and walks all of K: each step loads a
@@ -63,6 +65,47 @@ def _w8a16_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok & n_in[None, :])
 
 
+GEMV_CONFIGS = [
+    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+    for bn, bk, w, s in [
+        (4, 512, 4, 3),
+        (8, 512, 4, 3),
+        (8, 1024, 8, 2),
+        (16, 256, 4, 4),
+        (4, 1024, 4, 2),
+        (16, 512, 8, 3),
+    ]
+]
+
+
+@triton.autotune(configs=GEMV_CONFIGS, key=["N", "K"])
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_wn,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One row: y[n] = sum_k x[k] * q[n, k]. No tensor cores (nothing to pad M to): each
+    program streams BLOCK_N weight rows with wide loads and reduces along K in registers, so a
+    small BLOCK_N gives many programs in flight even for N = 4096."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n[:, None] < N
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K):
+        k_ok = (k + offs_k) < K
+        x = tl.load(x_ptr + k + offs_k, mask=k_ok, other=0.0).to(tl.float32)  # (BLOCK_K,)
+        w = tl.load(w_ptrs, mask=n_ok & k_ok[None, :], other=0)  # (BLOCK_N, BLOCK_K) int8
+        acc += w.to(tl.float32) * x[None, :]
+        w_ptrs += BLOCK_K
+    n_in = offs_n < N
+    y = tl.sum(acc, axis=1) * tl.load(s_ptr + offs_n, mask=n_in, other=0.0)
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + offs_n, mask=n_in, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_in)
+
+
 def w8a16_matmul(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -71,6 +114,12 @@ def w8a16_matmul(
     assert q.shape[1] == K and q.dtype == torch.int8 and q.is_contiguous()
     x = x.contiguous()
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 1:
+        _gemv_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
+            x, q, scale, bias if bias is not None else scale, y, N, K, q.stride(0),
+            HAS_BIAS=bias is not None,
+        )  # fmt: skip
+        return y
     block_m = 16 if M <= 16 else 32 if M <= 32 else 64
     m_bucket = block_m  # autotune once per row bucket, not per exact M
 
