@@ -149,8 +149,8 @@ def bench_mpinfer(
                 iters=10,
             )
         out["decode_ms"][B] = ms
-        if B == 1 and profile:
-            out["kernels_b1"] = profile_step(
+        if B in (1, 32) and profile:
+            out[f"kernels_b{B}"] = profile_step(
                 lambda: model(token, cache, slots=slice(0, B), start_pos=pos, valid_from=zeros,
                               kv_len=cache.max_seq)
             )  # fmt: skip

@@ -23,11 +23,11 @@ CONFIGS = [
     for bn, bk, w, s in [
         (16, 256, 4, 4),
         (32, 256, 4, 4),
-        (32, 128, 4, 5),
-        (64, 128, 4, 4),
-        (16, 512, 4, 3),
-        (32, 512, 8, 3),
-        (64, 256, 8, 3),
+        (32, 512, 4, 3),
+        (64, 256, 4, 4),
+        (64, 512, 8, 3),
+        (128, 256, 8, 3),
+        (32, 1024, 8, 2),
     ]
 ]
 
@@ -68,12 +68,14 @@ def _w8a16_kernel(
 GEMV_CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
     for bn, bk, w, s in [
-        (4, 512, 4, 3),
         (8, 512, 4, 3),
-        (8, 1024, 8, 2),
-        (16, 256, 4, 4),
-        (4, 1024, 4, 2),
-        (16, 512, 8, 3),
+        (8, 1024, 4, 3),
+        (16, 1024, 8, 2),
+        (16, 512, 4, 4),
+        (8, 2048, 8, 2),
+        (32, 512, 8, 3),
+        (4, 2048, 4, 3),
+        (32, 256, 4, 4),
     ]
 ]
 
@@ -92,15 +94,17 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n[:, None] < N
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k in tl.range(0, K, BLOCK_K):
         k_ok = (k + offs_k) < K
         x = tl.load(x_ptr + k + offs_k, mask=k_ok, other=0.0).to(tl.float32)  # (BLOCK_K,)
         w = tl.load(w_ptrs, mask=n_ok & k_ok[None, :], other=0)  # (BLOCK_N, BLOCK_K) int8
-        acc += w.to(tl.float32) * x[None, :]
+        # Reduce every tile: registers hold one tile, so wide tiles (more bytes in flight per
+        # program) stay affordable.
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         w_ptrs += BLOCK_K
     n_in = offs_n < N
-    y = tl.sum(acc, axis=1) * tl.load(s_ptr + offs_n, mask=n_in, other=0.0)
+    y = acc * tl.load(s_ptr + offs_n, mask=n_in, other=0.0)
     if HAS_BIAS:
         y = y + tl.load(b_ptr + offs_n, mask=n_in, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_in)
