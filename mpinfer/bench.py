@@ -327,6 +327,7 @@ def simulate_tp(tp_size: int, bw: float) -> dict:
         "decode_ms": res["decode_ms"],
         "ratio_to_floor": step_ms / (wbytes / bw * 1e3),
         "collectives_per_step_skipped": dict(tp.skipped),
+        **{k: v for k, v in res.items() if k.startswith("kernels")},
         "peak_GB_with_2048_token_cache": torch.cuda.max_memory_allocated() / 1e9,
     }
 
