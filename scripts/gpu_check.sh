@@ -12,7 +12,13 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers, bitsandbytes; print(torch.__version__, triton.__version__, transformers.__version__, bitsandbytes.__version__)" | tee -a "$OUT/gpu.txt"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -25 | tee "$OUT/gpu-tests.txt"
+if ! python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py > "$OUT/gpu-tests.txt" 2>&1; then
+    tail -25 "$OUT/gpu-tests.txt"
+    echo "GPU tests failed: benchmarking without the int8->fp16 bit trick"
+    export MPINFER_INT8_MAGIC=0
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k int8_linear 2>&1 | tail -3
+fi
+tail -3 "$OUT/gpu-tests.txt"
 if [ "$mode" = smoke ]; then
     python3 -m mpinfer.cli bench gpu --shape bloom-560m --out "$OUT/gpu-smoke.json" 2>&1 | tail -30
 else

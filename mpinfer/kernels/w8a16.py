@@ -1,6 +1,7 @@
 """W8A16 matmul for few rows (decode): y = (x @ q^T) * scale + bias, in Triton.
 
-Two kernels: `_gemv_kernel` for one row (batch-1 decode), `_w8a16_kernel` for 2..64 rows.
+Two kernels: `_w8a16_kernel` (tensor cores, rows padded to 16) for fp16 activations and for
+2..64 bf16 rows; `_gemv_kernel` for one bf16 row.
 
     x (M, K) fp16/bf16    q (N, K) int8, row-major    scale (N,) fp32    y (M, N) x.dtype
 
@@ -14,9 +15,14 @@ flight per SM (BLOCK_N x BLOCK_K x num_stages), not at arithmetic.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+# MPINFER_INT8_MAGIC=0 falls back to the conversion unit (a diagnostic switch).
+MAGIC_ENABLED = os.environ.get("MPINFER_INT8_MAGIC", "1") != "0"
 
 CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
@@ -37,7 +43,7 @@ CONFIGS = [
 def _w8a16_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
     M, N, K, stride_xm, stride_wn, stride_ym,
-    M_BUCKET: tl.constexpr, HAS_BIAS: tl.constexpr,
+    M_BUCKET: tl.constexpr, HAS_BIAS: tl.constexpr, MAGIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -53,8 +59,16 @@ def _w8a16_kernel(
     for k in tl.range(0, K, BLOCK_K):
         k_ok = (k + offs_k[None, :]) < K
         x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)  # (BLOCK_M, BLOCK_K)
-        w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0)  # (BLOCK_N, BLOCK_K) int8
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)  # (BLOCK_M, BLOCK_N), fp32
+        w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0)  # (BLOCK_N, BLOCK_K) int8 (or its bytes)
+        if MAGIC:
+            # int8 -> fp16 without the conversion unit (16 values/clock/SM on Hopper, exactly
+            # the rate the weight bytes arrive at): the bytes of q + 128, OR-ed into the
+            # mantissa of 1024.0, are the fp16 number 1024 + q + 128; subtract 1152.
+            bits = (w ^ 0x80).to(tl.uint16) | 0x6400
+            wf = bits.to(tl.float16, bitcast=True) - 1152.0
+        else:
+            wf = w.to(x.dtype)
+        acc = tl.dot(x, tl.trans(wf), acc)  # (BLOCK_M, BLOCK_N), fp32
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     n_in = offs_n < N
@@ -118,7 +132,8 @@ def w8a16_matmul(
     assert q.shape[1] == K and q.dtype == torch.int8 and q.is_contiguous()
     x = x.contiguous()
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 1:
+    magic = x.dtype == torch.float16 and MAGIC_ENABLED
+    if M == 1 and not magic:
         _gemv_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
             x, q, scale, bias if bias is not None else scale, y, N, K, q.stride(0),
             HAS_BIAS=bias is not None,
@@ -131,8 +146,8 @@ def w8a16_matmul(
         return (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, block_m))
 
     _w8a16_kernel[grid](
-        x, q, scale, bias if bias is not None else scale, y,
+        x, q.view(torch.uint8) if magic else q, scale, bias if bias is not None else scale, y,
         M, N, K, x.stride(0), q.stride(0), y.stride(0),
-        M_BUCKET=m_bucket, HAS_BIAS=bias is not None, BLOCK_M=block_m,
+        M_BUCKET=m_bucket, HAS_BIAS=bias is not None, MAGIC=magic, BLOCK_M=block_m,
     )  # fmt: skip
     return y
