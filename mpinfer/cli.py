@@ -197,7 +197,20 @@ def _pop_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
     return nproc, rest
 
 
-RANK_MAINS = {"generate": "generate_main"}
+def _serve_main(argv: list[str]) -> int:
+    from .serving import serve_main
+
+    return serve_main(argv)
+
+
+def _repl_main(argv: list[str]) -> int:
+    from .repl import repl_main
+
+    return repl_main(argv)
+
+
+# Subcommands that run on every rank (and take --nproc to start the ranks themselves).
+RANK_MAINS = {"generate": generate_main, "serve": _serve_main, "repl": _repl_main}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         nproc, rest = _pop_nproc(rest)
         if nproc is not None and "LOCAL_RANK" not in os.environ:
             return _launch_ranks(nproc, cmd, rest)
-        return globals()[RANK_MAINS[cmd]](rest)
+        return RANK_MAINS[cmd](rest)
     return commands[cmd](rest)
 
 

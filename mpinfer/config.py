@@ -66,7 +66,12 @@ class ServerConfig:
     max_batch_slots: int = 8
     max_seq_len: int = 2048
     max_queue: int = 128
-    shutdown_timeout: float = 30.0
+    # Seconds to finish in-flight requests after SIGTERM/SIGINT before cancelling them; keep it
+    # under torchrun's own 30 s grace period.
+    shutdown_timeout: float = 20.0
+    max_body_bytes: int = 1 << 20
+    # Prompt tokens prefilled per engine step, so long prompts do not stall running decodes.
+    max_prefill_tokens: int = 512
 
 
 @dataclass(frozen=True)
@@ -104,7 +109,8 @@ class RunConfig:
         if not g.repetition_penalty > 0:
             raise ValueError(f"generation.repetition_penalty={g.repetition_penalty} must be > 0")
         s = self.server
-        for key in ("max_batch_slots", "max_seq_len", "max_queue"):
+        for key in ("max_batch_slots", "max_seq_len", "max_queue", "max_body_bytes",
+                    "max_prefill_tokens"):  # fmt: skip
             if getattr(s, key) <= 0:
                 raise ValueError(f"server.{key}={getattr(s, key)} must be > 0")
         return self
