@@ -239,7 +239,10 @@ def _extra_commands() -> dict:
 
         return bench_main(argv)
 
-    return {"shard": sharded.shard_main, "verify": sharded.verify_main, "bench": bench}
+    from .memory import plan_main
+
+    return {"shard": sharded.shard_main, "verify": sharded.verify_main, "bench": bench,
+            "plan": plan_main}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -28,6 +28,11 @@ class ModelConfig:
     dtype: str = "auto"
     # Sharded checkpoints: check each rank file's sha256 against the manifest before loading.
     verify: bool = True
+    # The model's config.json for `mpinfer plan` when model.path has none (no checkpoint here).
+    arch: str = ""
+    # Device memory mpinfer may use per rank, e.g. "22GiB"; "" = all of it. Checked before
+    # loading: a model that does not fit is refused with the numbers.
+    memory_budget: str = ""
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,8 @@ class RunConfig:
     def validate(self) -> RunConfig:
         if self.model.dtype not in DTYPES:
             raise ValueError(f"model.dtype={self.model.dtype!r}: expected one of {DTYPES}")
+        if self.model.memory_budget:
+            parse_bytes(self.model.memory_budget, "model.memory_budget")
         if self.quant.method not in QUANT_METHODS:
             raise ValueError(f"quant.method={self.quant.method!r}: expected one of {QUANT_METHODS}")
         if self.quant.embeddings not in ("none", "int8"):
@@ -114,6 +121,20 @@ class RunConfig:
             if getattr(s, key) <= 0:
                 raise ValueError(f"server.{key}={getattr(s, key)} must be > 0")
         return self
+
+
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+def parse_bytes(text: str, what: str) -> int:
+    """'24GiB', '22.5 GB', '1048576' -> bytes; a ValueError naming `what` otherwise."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in UNITS:
+        raise ValueError(f"{what}={text!r}: expected a size such as 24GiB or 22.5GB")
+    return int(float(m.group(1)) * UNITS[m.group(2).upper()])
 
 
 def _check_type(key: str, value: Any, annotation: str) -> Any:

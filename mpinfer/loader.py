@@ -25,7 +25,7 @@ from .checkpoint import CheckpointError, HFCheckpoint, read_config
 from .config import RunConfig
 from .dist import DistContext, broadcast_object, gather_objects
 from .layers import TPGroup
-from .memory import HostMemoryMonitor, return_large_frees_to_os
+from .memory import HostMemoryMonitor, check_fits, return_large_frees_to_os
 from .model import BloomModel
 from .plan import BloomShape, TensorPlan, plan_model, rank_entries, shard_tensor
 from .quant import make_linear_method
@@ -231,6 +231,7 @@ def load_model(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
 
 def _load_from_hf(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
     shape, tp_size, ckpt = agree_on_model(cfg, ctx)
+    check_fits(shape, cfg, tp_size=tp_size, device=ctx.device)
     dtype = resolve_dtype(cfg.model.dtype, ctx.device)
     tp = TPGroup(ctx.rank, tp_size, ctx.compute_group if tp_size > 1 else None)
     model = build_meta_model(shape, tp, cfg, dtype)

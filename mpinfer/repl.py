@@ -349,16 +349,17 @@ def _repl_rank(cfg, args, ctx) -> None:
     from .cli import load_tokenizer
     from .engine import Engine, worker_loop
     from .loader import load_model
+    from .memory import kv_slots
 
     s = cfg.server
     if not ctx.is_rank0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 owns Ctrl-C
         loaded = load_model(cfg, ctx)
-        worker_loop(loaded, ctx, s.max_batch_slots, s.max_seq_len)
+        worker_loop(loaded, ctx, kv_slots(loaded, cfg, ctx), s.max_seq_len)
         return
     loaded = load_model(cfg, ctx)
     tok = load_tokenizer(loaded.model_dir)
-    engine = Engine(loaded, ctx, tok, slots=s.max_batch_slots, max_seq=s.max_seq_len,
+    engine = Engine(loaded, ctx, tok, slots=kv_slots(loaded, cfg, ctx), max_seq=s.max_seq_len,
                     max_queue=s.max_queue, max_prefill_tokens=s.max_prefill_tokens)  # fmt: skip
     runner = threading.Thread(target=engine.run, name="engine", daemon=True)
     runner.start()

@@ -73,6 +73,7 @@ def _serve(cfg, ctx) -> None:
     from .cli import load_tokenizer
     from .engine import Engine, worker_loop
     from .loader import load_model
+    from .memory import kv_slots
     from .server import State
 
     s = cfg.server
@@ -80,7 +81,7 @@ def _serve(cfg, ctx) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 decides when to stop
             signal.signal(sig, lambda *_: log.info("signal ignored: rank 0 drives shutdown"))
         loaded = load_model(cfg, ctx)
-        worker_loop(loaded, ctx, s.max_batch_slots, s.max_seq_len)
+        worker_loop(loaded, ctx, kv_slots(loaded, cfg, ctx), s.max_seq_len)
         return
     state = State(cfg, model_name=Path(cfg.model.path).name)
     http, thread = _start_http(state, cfg)
@@ -88,13 +89,14 @@ def _serve(cfg, ctx) -> None:
     try:
         loaded = load_model(cfg, ctx)
         state.tokenizer = load_tokenizer(loaded.model_dir)
-        engine = Engine(loaded, ctx, state.tokenizer, slots=s.max_batch_slots,
+        engine = Engine(loaded, ctx, state.tokenizer, slots=kv_slots(loaded, cfg, ctx),
                         max_seq=s.max_seq_len, max_queue=s.max_queue,
                         max_prefill_tokens=s.max_prefill_tokens)  # fmt: skip
         state.engine = engine
         state.info = {
             "tp_size": loaded.tp.tp_size, "quant": cfg.quant.method,
-            "dtype": str(loaded.dtype).removeprefix("torch."), "max_batch_slots": s.max_batch_slots,
+            "dtype": str(loaded.dtype).removeprefix("torch."),
+            "max_batch_slots": engine.cache.slots,
             "max_seq_len": s.max_seq_len, "max_queue": s.max_queue,
             "max_new_tokens_default": cfg.generation.max_new_tokens,
         }  # fmt: skip

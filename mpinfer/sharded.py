@@ -349,6 +349,9 @@ def load_sharded(cfg: RunConfig, ctx: DistContext):
         raise ValueError("; ".join(errors))
     tp_size = manifest["tp_size"]
     shape = BloomShape.from_config(manifest["model_config"])
+    from .memory import check_fits
+
+    check_fits(shape, cfg, tp_size=tp_size, device=ctx.device)
     dtype = resolve_dtype(cfg.model.dtype, ctx.device)
     tp = TPGroup(ctx.rank, tp_size, ctx.compute_group if tp_size > 1 else None)
     model = build_meta_model(shape, tp, cfg, dtype)

@@ -1,0 +1,67 @@
+"""The memory planner against hand-computed numbers for the published BLOOM configs, `mpinfer
+plan`'s answers, and the start-up refusal when the budget is too small."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mpinfer.cli import main as mpinfer_main
+from mpinfer.config import load_config
+from mpinfer.memory import plan_memory
+from mpinfer.plan import BloomShape
+
+from .conftest import ROOT, torchrun
+
+
+def shape_of(name: str) -> BloomShape:
+    return BloomShape.from_config(json.loads((ROOT / f"configs/arch/{name}.json").read_text()))
+
+
+def test_bloom_176b_tp8_int8_per_rank():
+    cfg = load_config(str(ROOT / "configs/bloom-176b-8x24gb.toml"))
+    plan = plan_memory(shape_of("bloom-176b"), cfg, tp_size=8, budget=24 * 2**30)
+    h = 14336
+    # Per block: qkv 3h*h + dense h*h + h_to_4h 4h*h + 4h_to_h h*4h = 12 h^2, an eighth per rank.
+    assert plan.items["weights (int8)"] == 70 * 12 * h * h // 8 == 21_579_694_080
+    # One fp32 scale per output row of each rank's slice: qkv 3h/8, dense h, h4h 4h/8, 4hh h.
+    assert plan.items["scales"] == 70 * 4 * (3 * h // 8 + h + 4 * h // 8 + h) + 31360 * 4
+    assert plan.items["embeddings and LM head"] == 250880 // 8 * h  # int8 rows of the vocab
+    assert plan.kv_bytes_per_token == 2 * 70 * (h // 8) * 2 == 501_760  # K and V, fp16
+    assert plan.fits and plan.kv_tokens >= 2048  # the headline: 8 x 24 GB, >= 2048 tokens
+
+
+def test_bloom_7b1_fp16_and_int8():
+    cfg = load_config(str(ROOT / "configs/bloom-7b1.toml"), ['quant.method="none"'])
+    fp16 = plan_memory(shape_of("bloom-7b1"), cfg, tp_size=1, budget=80 * 2**30)
+    assert fp16.items["weights (float16)"] == 30 * 12 * 4096**2 * 2 == 12_079_595_520
+    assert fp16.items["embeddings and LM head"] == 250880 * 4096 * 2
+    int8 = plan_memory(shape_of("bloom-7b1"), load_config(str(ROOT / "configs/bloom-7b1.toml")),
+                       tp_size=1, budget=80 * 2**30)  # fmt: skip
+    assert int8.items["weights (int8)"] * 2 == fp16.items["weights (float16)"]
+    assert int8.kv_bytes_per_token == 2 * 30 * 4096 * 2
+
+
+def test_plan_command_prints_gib_lines_and_fails_when_too_small(capsys):
+    assert mpinfer_main(["plan", "--config", str(ROOT / "configs/bloom-176b-8x24gb.toml")]) == 0
+    out = capsys.readouterr().out
+    assert "weights (int8)                 20.10 GiB" in out
+    code = mpinfer_main(["plan", "--config", str(ROOT / "configs/bloom-176b-8x24gb.toml"),
+                         "--tp", "4"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 1 and "does not fit: needs 44.14 GiB per GPU, has 24.00; try tp=8" in out
+    code = mpinfer_main(["plan", "--config", str(ROOT / "configs/bloom-7b1.toml"),
+                         "--gpu-mem", "12GiB", "--quant", "none"])  # fmt: skip
+    assert code == 1 and "try tp=2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("budget", ["300KiB"])
+def test_start_up_refuses_before_loading_when_memory_is_short(ckpts, budget):
+    proc = torchrun(2, ["launch/generate.py", "--model", str(ckpts["st_sharded"]),
+                        "--set", f'model.memory_budget="{budget}"'], timeout=120)  # fmt: skip
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        errors = [ln for ln in proc.stderr.splitlines() if ln.startswith(f"[rank {rank}] ERROR")]
+        assert any("does not fit: needs" in ln and "has 0.00 GiB" in ln for ln in errors)
+    assert "loaded in" not in proc.stderr
