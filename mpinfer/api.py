@@ -149,8 +149,9 @@ def parse_tgi(body: bytes, *, default_max_new: int, stream: bool | None = None) 
         f._fail("best_of", "values above 1 are not supported")
     if f.get("watermark", "bool"):
         f._fail("watermark", "is not supported")
-    if raw.get("grammar") is not None:
-        f._fail("grammar", "is not supported")
+    for key in ("grammar", "adapter_id"):
+        if raw.get(key) is not None:
+            f._fail(key, "is not supported")
     if f.get("top_n_tokens", "int"):
         f._fail("top_n_tokens", "is not supported")
     if raw.get("frequency_penalty") not in (None, 0, 0.0):

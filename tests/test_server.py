@@ -161,6 +161,16 @@ def test_text_generation_client_matches_generate(server, reference):
         assert events[-1].generated_text == reference[prompt]
 
 
+def test_huggingface_hub_inference_client_matches_generate(server, reference):
+    from huggingface_hub import InferenceClient
+
+    client = InferenceClient(base_url=server.url, timeout=60)
+    for prompt in PROMPTS[:2]:
+        assert client.text_generation(prompt, max_new_tokens=MAX_NEW) == reference[prompt]
+        streamed = client.text_generation(prompt, max_new_tokens=MAX_NEW, stream=True)
+        assert "".join(streamed) == reference[prompt]
+
+
 BAD = [
     # (route, body, status, words the message must contain)
     ("/generate", b'{"inputs": ""}', 422, "inputs"),
@@ -192,6 +202,7 @@ BAD = [
     ("/generate", b'{"inputs": 5}', 422, "inputs"),
     ("/generate", b'{"inputs": "hi", "parameters": {"best_of": 2}}', 422, "best_of"),
     ("/generate", b'{"inputs": "hi", "parameters": {"colour": 1}}', 422, "colour"),
+    ("/generate", b'{"inputs": "hi", "parameters": {"adapter_id": "x"}}', 422, "adapter_id"),
     ("/generate", b'{"inputs": "hi",', 422, "not valid JSON"),
     ("/generate", b'{"inputs": "\xff\xfe"}', 422, "UTF-8"),
     ("/generate_stream", b"[1, 2]", 422, "JSON object"),
