@@ -12,6 +12,7 @@ model that cannot fit, before loading anything.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 import threading
@@ -70,10 +71,9 @@ def return_large_frees_to_os(threshold: int = 1 << 20) -> None:
     name = ctypes.util.find_library("c")
     if not name:
         return
-    try:
+    # Not glibc (musl, macOS): there is no such knob, and nothing to pin.
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(name).mallopt(-3, threshold)
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to pin
-        pass
 
 
 # -- the GPU memory planner ----------------------------------------------------------------------

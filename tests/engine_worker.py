@@ -10,6 +10,7 @@ import dataclasses
 import json
 import sys
 import threading
+import time
 
 from mpinfer.cli import load_tokenizer
 from mpinfer.config import load_config
@@ -72,7 +73,7 @@ def scenarios(loaded, ctx, tok):
 
     def feeder():
         while sum(e.kind == "token" for e in first_events) < 4:
-            pass
+            time.sleep(0.001)
         late["box"] = collect(engine, enc[2], greedy[2])[1]
 
     _, first = collect(engine, enc[1], greedy[1], first_events)
@@ -127,7 +128,7 @@ def scenarios(loaded, ctx, tok):
 
     def canceller():
         while sum(e.kind == "token" for e in events) < 2:
-            pass
+            time.sleep(0.001)
         engine.cancel(req)
 
     t = threading.Thread(target=canceller)
