@@ -153,10 +153,33 @@ def scenarios(loaded, ctx, tok):
     except ValueError as e:
         out["too_long"] = str(e)
     engine.run(until_idle=True)
+
+    # 8. Chunked prefill: a 60-token prompt arrives while a request decodes; with 16 prompt
+    #    tokens a step, the decoding request still gets a token every step.
+    long_ids = (enc[7] * 4)[:60]
+    engine = Engine(loaded, ctx, tok, slots=SLOTS, max_seq=MAX_SEQ, max_prefill_tokens=16)
+    _, box = collect(engine, long_ids, SamplingParams(max_new_tokens=5))
+    engine.run(until_idle=True)
+    long_alone = as_dict(box["result"])
+    engine = Engine(loaded, ctx, tok, slots=SLOTS, max_seq=MAX_SEQ, max_prefill_tokens=16)
+    first_events, late = [], {}
+
+    def feeder2():
+        while sum(e.kind == "token" for e in first_events) < 2:
+            time.sleep(0.001)
+        late["box"] = collect(engine, long_ids, SamplingParams(max_new_tokens=5))[1]
+
+    _, first = collect(engine, enc[1], SamplingParams(max_new_tokens=20), first_events)
+    t = threading.Thread(target=feeder2)
+    t.start()
+    engine.run(until_idle=True)
+    t.join()
+    out["chunked"] = {"long_alone": long_alone, "long": as_dict(late["box"]["result"]),
+                      "decoding": as_dict(first["result"])}  # fmt: skip
     return out
 
 
-N_SCENARIOS = 8 + 1 + 1 + 3 + 1 + 1 + 1 + 1
+N_SCENARIOS = 8 + 1 + 1 + 3 + 1 + 1 + 1 + 1 + 2
 
 
 def main(model_dir, out_path, fault=False):

@@ -72,6 +72,16 @@ def test_cancel_frees_the_slot_and_full_queue_rejects(eng):
     assert "exceeds max_seq_len=96" in eng["too_long"]
 
 
+def test_long_prompt_is_prefilled_in_chunks_without_stalling_decodes(eng):
+    c = eng["chunked"]
+    assert c["long"]["token_ids"] == c["long_alone"]["token_ids"]
+    # 60 prompt tokens at 16 a step: the first token comes 4 steps after it was admitted...
+    assert c["long"]["first_step"] >= c["decoding"]["first_step"] + 4
+    # ...while the decoding request produced one token every step, never waiting.
+    d = c["decoding"]
+    assert d["last_step"] - d["first_step"] == len(d["token_ids"]) - 1 == 19
+
+
 def test_fault_on_a_worker_rank_ends_every_rank_nonzero(ckpts, tmp_path):
     t0 = time.time()
     proc = torchrun(2, ["tests/engine_worker.py", str(ckpts["st_sharded"]), str(tmp_path / "x"),
