@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 SHAPES = {
+    "tiny": dict(vocab_size=1024, hidden_size=64, n_layer=2, n_head=4),  # CPU smoke runs
     "bloom-560m": dict(vocab_size=250880, hidden_size=1024, n_layer=24, n_head=16),
     "bloom-7b1": dict(vocab_size=250880, hidden_size=4096, n_layer=30, n_head=32),
     "bloom-176b": dict(vocab_size=250880, hidden_size=14336, n_layer=70, n_head=112),

@@ -155,3 +155,29 @@ def test_missing_model_dir_is_an_error(tmp_path):
     proc = torchrun(2, ["launch/generate.py", "--model", str(tmp_path / "nope")], timeout=120)
     assert proc.returncode != 0
     assert "does not exist" in proc.stderr
+
+
+def test_tp_decode_bench_runs_across_real_ranks(tmp_path):
+    # The multi-GPU decode benchmark, on CPU ranks with gloo: it must run and report coherently.
+    out = tmp_path / "tp.json"
+    proc = torchrun(
+        2,
+        [
+            "-m",
+            "mpinfer.tpbench",
+            "--shape",
+            "tiny",
+            "--batches",
+            "1",
+            "2",
+            "--context",
+            "16",
+            "--out",
+            str(out),
+        ],
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["tp"] == 2 and set(r["decode_ms"]) == {"1", "2"}
+    assert all(ms > 0 for ms in r["decode_ms"].values()) and r["all_reduce_ms"] > 0
+    assert r["all_reduce_share_b1"] > 0
