@@ -3,6 +3,7 @@ Clients: the official `openai` client, Hugging Face's `text-generation` client, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -64,11 +65,9 @@ class Server:
         )
         deadline = time.time() + 90
         while time.time() < deadline:
-            try:
+            with contextlib.suppress(httpx.HTTPError):  # not listening yet
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
-            except httpx.HTTPError:
-                pass
             assert self.proc.poll() is None, self.output()
             time.sleep(0.2)
         raise AssertionError("server did not become ready:\n" + self.output())
