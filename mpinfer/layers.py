@@ -4,7 +4,7 @@ its weight is int8, bitsandbytes or plain.
 
     ColumnParallelLinear   y_r = x @ W_r^T + b_r          W split by output rows, no collective
                                                           (the next RowParallelLinear consumes y_r)
-    RowParallelLinear      y = all_reduce(x_r @ W_r^T) + b W split by input cols, b added once
+    RowParallelLinear      y = all_reduce(x_r @ W_r^T + b_0)  W split by input cols, b on rank 0
     VocabParallelEmbedding e = all_reduce(lookup_r(ids))   rows of the vocab, padded to tp
     ParallelLMHead         logits = all_gather(h @ E_r^T)  tied to the embedding's storage
 
@@ -64,8 +64,9 @@ class ColumnParallelLinear(nn.Module):
         method.create_weights(self, self.out_features_per_rank, in_features, dtype)
         self.bias = _empty((self.out_features_per_rank,), dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x, self.bias)  # (..., out_features_per_rank)
+    def forward(self, x: torch.Tensor, *, gelu: bool = False) -> torch.Tensor:
+        # (..., out_features_per_rank), through BLOOM's GeLU when asked (fused where possible)
+        return self.method.apply_fused(self, x, self.bias, gelu=gelu)
 
 
 class RowParallelLinear(nn.Module):
@@ -77,11 +78,15 @@ class RowParallelLinear(nn.Module):
         method.create_weights(self, out_features, self.in_features_per_rank, dtype)
         self.bias = _empty((out_features,), dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.tp_size == 1:  # no sum to wait for: the matmul adds the bias itself
-            return self.method.apply(self, x, self.bias)
-        partial = self.method.apply(self, x, None)  # (..., out_features), this rank's share
-        return self.tp.all_reduce(partial) + self.bias  # the bias once, after the sum
+    def forward(self, x: torch.Tensor, *, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`all_reduce(x_r @ W_r^T) + b (+ residual)`. Rank 0 adds the bias and the residual to
+        its share before the sum (Megatron's trick), so both ride in the matmul's epilogue and
+        the sum needs no second pass."""
+        first = self.tp.tp_rank == 0
+        partial = self.method.apply_fused(
+            self, x, self.bias if first else None, residual=residual if first else None
+        )  # (..., out_features): this rank's share
+        return self.tp.all_reduce(partial)
 
 
 class VocabParallelEmbedding(nn.Module):

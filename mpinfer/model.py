@@ -44,12 +44,6 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def bloom_gelu(x: torch.Tensor) -> torch.Tensor:
-    # BLOOM's gelu is the tanh approximation (its constant 0.79788456 is sqrt(2/pi) to 8
-    # digits); torch's fused kernel computes the same function in one pass instead of seven.
-    return F.gelu(x, approximate="tanh")
-
-
 def layer_norm(ln: nn.LayerNorm, x: torch.Tensor, use_kernel: bool) -> torch.Tensor:
     """`ln(x)`, through the few-rows Triton kernel on the GPU decode path."""
     if use_kernel:
@@ -96,7 +90,7 @@ class BloomAttention(nn.Module):
         self.query_key_value = ColumnParallelLinear(h, 3 * h, tp=tp, method=method, dtype=dtype)
         self.dense = RowParallelLinear(h, h, tp=tp, method=method, dtype=dtype)
 
-    def forward(self, x, bias, k_cache, v_cache, slots, positions, kv_len, fused=None):
+    def forward(self, x, bias, k_cache, v_cache, slots, positions, kv_len, fused, residual):
         B, T, _ = x.shape
         qkv = self.query_key_value(x)  # (B, T, heads_per_rank * 3 * head_dim)
         if fused is not None:  # one query token per row, on the GPU: one kernel (kernels/)
@@ -105,7 +99,7 @@ class BloomAttention(nn.Module):
             slot_ids, start_pos, valid_from, slopes = fused
             out = decode_attention(qkv[:, 0], k_cache, v_cache, slot_ids, start_pos, valid_from,
                                    slopes)  # fmt: skip
-            return self.dense(out[:, None])  # (B, 1, hidden)
+            return self.dense(out[:, None], residual=residual)  # (B, 1, hidden)
         qkv = qkv.view(B, T, self.num_heads_per_rank, 3, self.head_dim)
         q, k, v = qkv.unbind(dim=3)  # each (B, T, heads_per_rank, head_dim)
         if isinstance(slots, slice):
@@ -124,7 +118,7 @@ class BloomAttention(nn.Module):
         # keys, values: (B, heads_per_rank, L, head_dim)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=bias)
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, heads_per_rank * head_dim)
-        return self.dense(out)
+        return self.dense(out, residual=residual)
 
 
 class BloomMLP(nn.Module):
@@ -134,8 +128,8 @@ class BloomMLP(nn.Module):
         self.dense_h_to_4h = ColumnParallelLinear(h, 4 * h, tp=tp, method=method, dtype=dtype)
         self.dense_4h_to_h = RowParallelLinear(4 * h, h, tp=tp, method=method, dtype=dtype)
 
-    def forward(self, x):
-        return self.dense_4h_to_h(bloom_gelu(self.dense_h_to_4h(x)))
+    def forward(self, x, residual):
+        return self.dense_4h_to_h(self.dense_h_to_4h(x, gelu=True), residual=residual)
 
 
 class BloomBlock(nn.Module):
@@ -151,11 +145,12 @@ class BloomBlock(nn.Module):
     def forward(self, x, bias, k_cache, v_cache, slots, positions, kv_len, fused=None):
         ln = layer_norm(self.input_layernorm, x, fused is not None)
         residual = ln if self.post_ln_residual else x
-        attn = self.self_attention(ln, bias, k_cache, v_cache, slots, positions, kv_len, fused)
-        x = attn + residual
+        # The residual adds ride in the output projections' epilogues (layers.py).
+        x = self.self_attention(ln, bias, k_cache, v_cache, slots, positions, kv_len, fused,
+                                residual)  # fmt: skip
         ln = layer_norm(self.post_attention_layernorm, x, fused is not None)
         residual = ln if self.post_ln_residual else x
-        return self.mlp(ln) + residual
+        return self.mlp(ln, residual)
 
 
 class BloomModel(nn.Module):

@@ -35,6 +35,12 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float()[:, None]
 
 
+def bloom_gelu(x: torch.Tensor) -> torch.Tensor:
+    # BLOOM's gelu is the tanh approximation (its constant 0.79788456 is sqrt(2/pi) to 8
+    # digits); torch's fused kernel computes the same function in one pass instead of seven.
+    return F.gelu(x, approximate="tanh")
+
+
 def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
     # Built under torch.device("meta") by the model; the loader assigns real tensors.
     return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
@@ -52,6 +58,22 @@ class LinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x (..., in_features) -> (..., out_features)."""
+
+    def apply_fused(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        gelu: bool = False,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`gelu(x @ W^T + bias) + residual`: the matmul with BLOOM's elementwise neighbours,
+        which a kernel may fuse into its epilogue (here: separate torch ops)."""
+        y = self.apply(layer, x, bias)
+        if gelu:
+            y = bloom_gelu(y)
+        return y + residual if residual is not None else y
 
     def after_load(self, layer: nn.Module) -> None:
         """Hook once real tensors are in place (e.g. build a backend's state)."""
@@ -89,6 +111,15 @@ class Int8Method(LinearMethod):
 
             return int8_linear(x, layer.weight, layer.weight_scale, bias)
         return int8_linear_reference(x, layer.weight, layer.weight_scale, bias)
+
+    def apply_fused(self, layer, x, bias, *, gelu=False, residual=None):
+        if self.use_kernels and x.is_cuda:
+            from .kernels import int8_linear
+
+            return int8_linear(
+                x, layer.weight, layer.weight_scale, bias, gelu=gelu, residual=residual
+            )
+        return super().apply_fused(layer, x, bias, gelu=gelu, residual=residual)
 
     def weight_rows(self, layer, ids):
         rows = F.embedding(ids, layer.weight).to(layer.compute_dtype)

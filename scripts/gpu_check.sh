@@ -2,7 +2,8 @@
 # Everything this project runs on the GPU machine, in one call (the device tool's $OUT collects
 # the results):  bash scripts/gpu_check.sh [smoke|full]
 # Installs carried wheels (bitsandbytes, pytest) into /tmp/site, runs the GPU tests, then the
-# benchmark: smoke = bloom-560m shape only; full = bloom-7b1 shape + the simulated tp-8 rank.
+# benchmarks: smoke = bloom-560m shape only; kernels = the per-shape matmul table only;
+# full = the matmul table, the bloom-7b1 shape, the simulated tp-8 rank and the memory planner.
 set -uo pipefail
 mode=${1:-full}
 OUT=${OUT:-bench/results}
@@ -21,6 +22,11 @@ fi
 tail -3 "$OUT/gpu-tests.txt"
 if [ "$mode" = smoke ]; then
     python3 -m mpinfer.cli bench gpu --shape bloom-560m --out "$OUT/gpu-smoke.json" 2>&1 | tail -30
-else
-    python3 -m mpinfer.cli bench gpu --shape bloom-7b1 --simulate-tp 8 --out "$OUT/gpu-h200.json" 2>&1 | tail -40
+    exit 0
+fi
+python3 -m mpinfer.cli bench kernels --out "$OUT/kernels-h200.json" > "$OUT/kernels.log" 2>&1
+tail -45 "$OUT/kernels.log"
+if [ "$mode" = full ]; then
+    python3 -m mpinfer.cli bench gpu --shape bloom-7b1 --simulate-tp 8 --memory \
+        --out "$OUT/gpu-h200.json" 2>&1 | tail -40
 fi

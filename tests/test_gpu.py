@@ -35,6 +35,87 @@ def test_int8_linear_matches_reference(M, N, K, dtype):
     torch.testing.assert_close(ours, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
 
 
+def _fused_reference(x, q, scale, bias, gelu, residual):
+    y = int8_linear_reference(x.float(), q, scale, bias.float())
+    if gelu:
+        y = torch.nn.functional.gelu(y, approximate="tanh")
+    return y + residual.float() if residual is not None else y
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M, N, K", [(1, 4096, 4096), (5, 1000, 4160), (32, 16384, 4096)])
+@pytest.mark.parametrize("epilogue", ["gelu", "residual"])
+def test_int8_linear_fused_epilogue_is_exact_and_repeatable(M, N, K, dtype, epilogue):
+    """The autotuned kernel with the GeLU or the residual add in its epilogue, against the
+    reference, and bit-identical across calls (split-K partials are summed in a fixed order)."""
+    from mpinfer.kernels import int8_linear
+
+    g = torch.Generator(device="cuda").manual_seed(M + N + K)
+    q, scale = quantize_rows(torch.randn(N, K, device="cuda", generator=g))
+    x = torch.randn(M, K, device="cuda", generator=g, dtype=dtype)
+    bias = torch.randn(N, device="cuda", generator=g, dtype=dtype)
+    res = torch.randn(M, N, device="cuda", generator=g, dtype=dtype) * 10
+    res = res if epilogue == "residual" else None
+    gelu = epilogue == "gelu"
+    ours = [int8_linear(x, q, scale, bias, gelu=gelu, residual=res) for _ in range(3)]
+    ref = _fused_reference(x, q, scale, bias, gelu, res)
+    torch.testing.assert_close(ours[0].float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    assert torch.equal(ours[0], ours[1]) and torch.equal(ours[0], ours[2])
+
+
+def _families():
+    from mpinfer.kernels.w8a16 import _configs
+
+    seen = {}
+    for c in _configs():
+        kw = dict(c.kwargs)
+        kw.pop("split_k")
+        seen.setdefault((tuple(sorted(kw.items())), c.num_warps, c.num_stages), c)
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_config_family_split_k(dtype):
+    """Every kernel variant the autotuner may pick, with 1 and with 3 K-splits (an uneven split,
+    one of them shorter), on a shape with a ragged edge in N and K: it matches the reference and
+    leaves every tile counter at zero for the next launch. The autotuner only ever runs the
+    winner, so without this a broken variant could wait for the one GPU it wins on."""
+    import triton
+
+    from mpinfer.kernels import w8a16
+
+    jit = w8a16._w8a16_kernel.fn.fn  # under the autotuner and the heuristics
+    ws, counters = w8a16._device_scratch(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(3)
+    N, K = 1000, 2112
+    q, scale = quantize_rows(torch.randn(N, K, device="cuda", generator=g))
+    bias = torch.randn(N, device="cuda", generator=g, dtype=dtype)
+    magic = dtype == torch.float16 and w8a16.MAGIC_ENABLED
+    failures = []
+    for c in _families():
+        kw = c.kwargs
+        for M in (1, 7) if kw["USE_DOT"] else (1,):
+            x = torch.randn(M, K, device="cuda", generator=g, dtype=dtype)
+            res = torch.randn(M, N, device="cuda", generator=g, dtype=dtype)
+            ref = _fused_reference(x, q, scale, bias, True, res)
+            for split in (1, 3):
+                y = torch.empty(M, N, device="cuda", dtype=dtype)
+                grid = (triton.cdiv(N, kw["BLOCK_N"]), split, 1)
+                jit[grid](
+                    x, q.view(torch.uint8) if magic else q, scale, bias, res, y, ws, counters,
+                    M, N, K, x.stride(0), q.stride(0), y.stride(0), res.stride(0), split,
+                    M_BUCKET=16, BLOCK_M=16, HAS_BIAS=True, ACT=True, HAS_RES=True, MAGIC=magic,
+                    USE_DOT=kw["USE_DOT"], BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"],
+                    PREFETCH=kw["PREFETCH"], EVEN_K=K % kw["BLOCK_K"] == 0,
+                    num_warps=c.num_warps, num_stages=c.num_stages,
+                )  # fmt: skip
+                err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
+                if not err < 1e-2 or counters.any():
+                    failures.append((kw, c.num_warps, c.num_stages, M, split, err))
+                counters.zero_()
+    assert not failures, failures
+
+
 def test_decode_graph_equals_eager_steps(tmp_path):
     from mpinfer.layers import TPGroup
     from mpinfer.model import BloomModel, DecodeGraph, KVCache

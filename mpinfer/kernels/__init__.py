@@ -18,16 +18,27 @@ DECODE_MAX_ROWS = 64
 
 
 def int8_linear(
-    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    gelu: bool = False,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """`gelu((x @ q^T) * scale + bias) + residual` (gelu and residual optional)."""
     rows = x.numel() // x.shape[-1]
-    if x.dtype not in (torch.float16, torch.bfloat16):  # fp32 on a GPU: the reference
-        return F.linear(x, q.to(x.dtype), None) * scale + (0 if bias is None else bias)
-    if rows <= DECODE_MAX_ROWS:
+    if x.dtype in (torch.float16, torch.bfloat16) and rows <= DECODE_MAX_ROWS:
         from .w8a16 import w8a16_matmul
 
-        y = w8a16_matmul(x.reshape(rows, x.shape[-1]), q, scale, bias)
+        y = w8a16_matmul(x.reshape(rows, x.shape[-1]), q, scale, bias, gelu=gelu, residual=residual)
         return y.reshape(*x.shape[:-1], q.shape[0])
-    from .dequant import dequantize
+    if x.dtype in (torch.float16, torch.bfloat16):
+        from .dequant import dequantize
 
-    return F.linear(x, dequantize(q, scale, x.dtype), bias)
+        y = F.linear(x, dequantize(q, scale, x.dtype), bias)
+    else:  # fp32 on a GPU: the reference
+        y = F.linear(x, q.to(x.dtype), None) * scale + (0 if bias is None else bias)
+    if gelu:
+        y = F.gelu(y, approximate="tanh")
+    return y + residual if residual is not None else y

@@ -18,12 +18,13 @@ def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, H, stride, eps, BLOCK: tl.con
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     ok = offs < H
+    # All three loads first: they overlap, and the reductions wait for one memory latency.
     x = tl.load(x_ptr + row * stride + offs, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     mean = tl.sum(x, axis=0) / H
     diff = tl.where(ok, x - mean, 0.0)
     var = tl.sum(diff * diff, axis=0) / H
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     y = diff * tl.rsqrt(var + eps) * w + b
     tl.store(y_ptr + row * stride + offs, y.to(y_ptr.dtype.element_ty), mask=ok)
 

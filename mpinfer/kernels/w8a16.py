@@ -1,16 +1,26 @@
-"""W8A16 matmul for few rows (decode): y = (x @ q^T) * scale + bias, in Triton.
+"""W8A16 matmul for few rows (decode), in Triton, with split-K and a fused epilogue:
 
-Two kernels: `_w8a16_kernel` (tensor cores, rows padded to 16) for fp16 activations and for
-2..64 bf16 rows; `_gemv_kernel` for one bf16 row.
+    y = act((x @ q^T) * scale + bias) + residual
 
     x (M, K) fp16/bf16    q (N, K) int8, row-major    scale (N,) fp32    y (M, N) x.dtype
+    act: none or BLOOM's tanh GeLU          residual (M, N), optional
 
-Program (pid_n, pid_m) owns a BLOCK_M x BLOCK_N tile of y and walks all of K: each step loads a
-BLOCK_N x BLOCK_K int8 tile (contiguous along K, so the loads are coalesced 16-byte vectors),
-converts it to x's dtype in registers and feeds the tensor cores with `tl.dot` (M is padded to
-16 by masking). The weight is read exactly once; the row scale and bias are applied in the
-epilogue. Decode is bound by the weight's bytes, so the tile shapes aim at enough bytes in
-flight per SM (BLOCK_N x BLOCK_K x num_stages), not at arithmetic.
+Decode reads every weight byte once and does almost no arithmetic per byte, so the kernel's job
+is to keep enough loads in flight on every SM. Two things decide that:
+- Grid size. A program owns a BLOCK_N slice of outputs; with N = 4096 and BLOCK_N = 32 that is
+  128 programs, fewer than the H200's 132 SMs. Split-K cuts K into `split_k` runs, one program
+  each, so small-N matrices still fill the GPU. The partial sums meet deterministically: each
+  program writes its fp32 partial tile to a workspace and bumps a per-tile counter; the last
+  to arrive adds the partials in split order (the same order every time, so a result never
+  depends on timing), applies the epilogue and resets the counter for the next launch.
+- Loads ahead of use. The loop loads the next tile before it converts and multiplies the current
+  one (PREFETCH), on top of whatever software pipelining Triton does.
+
+Two inner loops, chosen by the autotuner per (rows bucket, N, K):
+- USE_DOT: a BLOCK_N x BLOCK_K int8 tile is converted in registers and fed to the tensor cores
+  (`tl.dot`, rows padded to 16 by masking). For fp16 the conversion uses the bit trick below.
+- not USE_DOT (one row only): products accumulate elementwise in a BLOCK_N x BLOCK_K fp32 tile
+  and are reduced across K once, after the loop (no cross-thread reduction per step).
 """
 
 from __future__ import annotations
@@ -23,131 +33,246 @@ import triton.language as tl
 
 # MPINFER_INT8_MAGIC=0 falls back to the conversion unit (a diagnostic switch).
 MAGIC_ENABLED = os.environ.get("MPINFER_INT8_MAGIC", "1") != "0"
-
-CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-    for bn, bk, w, s in [
-        (16, 256, 4, 4),
-        (32, 256, 4, 4),
-        (32, 512, 4, 3),
-        (64, 256, 4, 4),
-        (64, 512, 8, 3),
-        (128, 256, 8, 3),
-        (32, 1024, 8, 2),
-    ]
-]
+WORKSPACE_BYTES = 16 << 20  # per device: the largest split-K partials a launch may write
+COUNTERS = 1 << 15  # per device: one int32 per output tile
 
 
-@triton.autotune(configs=CONFIGS, key=["M_BUCKET", "N", "K"])
+def _configs() -> list[triton.Config]:
+    out = []
+    for use_dot, bn, bk, w, s, pf in [
+        # tensor cores: Triton's pipelining (stages) or the explicit prefetch
+        (1, 16, 256, 4, 3, 0), (1, 32, 256, 4, 3, 0), (1, 64, 256, 4, 3, 0), (1, 32, 512, 4, 2, 0),
+        (1, 16, 256, 4, 1, 1), (1, 32, 256, 4, 1, 1), (1, 64, 128, 4, 1, 1), (1, 32, 512, 8, 1, 1),
+        # elementwise, one row
+        (0, 16, 256, 4, 1, 1), (0, 8, 512, 4, 1, 1), (0, 32, 128, 4, 1, 1), (0, 16, 256, 4, 3, 0),
+    ]:  # fmt: skip
+        for split in (1, 2, 4, 8, 16):
+            out.append(
+                triton.Config(
+                    {
+                        "USE_DOT": use_dot,
+                        "BLOCK_N": bn,
+                        "BLOCK_K": bk,
+                        "PREFETCH": pf,
+                        "split_k": split,
+                    },
+                    num_warps=w,
+                    num_stages=s,
+                )  # fmt: skip
+            )
+    return out
+
+
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _prune(configs, named_args, **kwargs):
+    """Keep configs that are legal for this launch and give the GPU work to overlap: at least
+    half an SM's worth of programs, at most 32 per SM, no split shorter than one tile."""
+    M, N, K = named_args["M"], named_args["N"], named_args["K"]
+    block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
+    sms = _sm_count(named_args["x_ptr"].device)
+    keep = []
+    for c in configs:
+        kw = c.kwargs
+        if not kw["USE_DOT"] and M != 1:
+            continue
+        split, bn, bk = kw["split_k"], kw["BLOCK_N"], kw["BLOCK_K"]
+        if split > 1 and split * M * N * 4 > WORKSPACE_BYTES:
+            continue
+        if bk * split > max(K, bk):
+            continue
+        programs = triton.cdiv(N, bn) * split * triton.cdiv(M, block_m)
+        if programs * 2 < sms and split < 16 or programs > 32 * sms:
+            continue
+        keep.append(c)
+    return keep or configs[:1]
+
+
 @triton.jit
+def _finish(acc, mask, n_idx, y_off, r_off, s_ptr, b_ptr, r_ptr, y_ptr,
+            HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+    """The epilogue on a tile of fp32 sums of any shape (index tensors of the same shape)."""
+    y = acc * tl.load(s_ptr + n_idx, mask=mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n_idx, mask=mask, other=0.0).to(tl.float32)
+    if ACT:  # tanh GeLU: 0.5 y (1 + tanh(z)) = y * sigmoid(2 z), z = sqrt(2/pi) (y + 0.044715 y^3)
+        y = y * tl.sigmoid(1.5957691216057308 * (y + 0.044715 * y * y * y))
+    if HAS_RES:
+        y += tl.load(r_ptr + r_off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + y_off, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _reduce_and_finish(
+    acc, mask, n_idx, y_off, r_off, ws_off, tile, pid_k, split_k, ws_stride,
+    s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
+):  # fmt: skip
+    if split_k == 1:
+        _finish(acc, mask, n_idx, y_off, r_off, s_ptr, b_ptr, r_ptr, y_ptr, HAS_BIAS, ACT, HAS_RES)
+    else:
+        tl.store(ws_ptr + pid_k * ws_stride + ws_off, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:  # the last split of this tile: sum all, in split order
+            total = tl.load(ws_ptr + ws_off, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in range(1, split_k):
+                total += tl.load(ws_ptr + s * ws_stride + ws_off, mask=mask, other=0.0,
+                                 cache_modifier=".cg")  # fmt: skip
+            _finish(total, mask, n_idx, y_off, r_off, s_ptr, b_ptr, r_ptr, y_ptr,
+                    HAS_BIAS, ACT, HAS_RES)  # fmt: skip
+            tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
+
+
+@triton.jit
+def _to_compute(w, dtype: tl.constexpr, MAGIC: tl.constexpr):
+    if MAGIC:
+        # int8 -> fp16 without the conversion unit (16 values/clock/SM on Hopper, about the
+        # rate the weight bytes arrive at): the bytes of q + 128, OR-ed into the mantissa of
+        # 1024.0, are the fp16 number 1024 + q + 128; subtract 1152. `w` holds q's bytes.
+        bits = (w ^ 0x80).to(tl.uint16) | 0x6400
+        return bits.to(tl.float16, bitcast=True) - 1152.0
+    else:
+        return w.to(dtype)
+
+
+def _bench(fn, quantiles=None, **_):
+    # The autotuner's timer, shorter than Triton's default (25 + 100 ms per config): a decode
+    # matmul takes microseconds, so 20 ms is thousands of runs.
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+@triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K"], do_bench=_bench,
+                 prune_configs_by={"early_config_prune": _prune})  # fmt: skip
+@triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
+@triton.jit(do_not_specialize=["split_k"])
 def _w8a16_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
-    M, N, K, stride_xm, stride_wn, stride_ym,
-    M_BUCKET: tl.constexpr, HAS_BIAS: tl.constexpr, MAGIC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, split_k,
+    M_BUCKET: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, MAGIC: tl.constexpr,
+    USE_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), split_k) * BLOCK_K
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-    m_ok = offs_m[:, None] < M
-    n_ok = offs_n[:, None] < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K):
-        k_ok = (k + offs_k[None, :]) < K
-        x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)  # (BLOCK_M, BLOCK_K)
-        w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0)  # (BLOCK_N, BLOCK_K) int8 (or its bytes)
-        if MAGIC:
-            # int8 -> fp16 without the conversion unit (16 values/clock/SM on Hopper, exactly
-            # the rate the weight bytes arrive at): the bytes of q + 128, OR-ed into the
-            # mantissa of 1024.0, are the fp16 number 1024 + q + 128; subtract 1152.
-            bits = (w ^ 0x80).to(tl.uint16) | 0x6400
-            wf = bits.to(tl.float16, bitcast=True) - 1152.0
-        else:
-            wf = w.to(x.dtype)
-        acc = tl.dot(x, tl.trans(wf), acc)  # (BLOCK_M, BLOCK_N), fp32
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    n_in = offs_n < N
-    acc = acc * tl.load(s_ptr + offs_n, mask=n_in, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc = acc + tl.load(b_ptr + offs_n, mask=n_in, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok & n_in[None, :])
-
-
-GEMV_CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-    for bn, bk, w, s in [
-        (8, 512, 4, 3),
-        (8, 1024, 4, 3),
-        (16, 1024, 8, 2),
-        (16, 512, 4, 4),
-        (8, 2048, 8, 2),
-        (32, 512, 8, 3),
-        (4, 2048, 4, 3),
-        (32, 256, 4, 4),
-    ]
-]
-
-
-@triton.autotune(configs=GEMV_CONFIGS, key=["N", "K"])
-@triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_wn,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """One row: y[n] = sum_k x[k] * q[n, k]. No tensor cores (nothing to pad M to): each
-    program streams BLOCK_N weight rows with wide loads and reduces along K in registers, so a
-    small BLOCK_N gives many programs in flight even for N = 4096."""
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
     n_ok = offs_n[:, None] < N
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K):
-        k_ok = (k + offs_k) < K
-        x = tl.load(x_ptr + k + offs_k, mask=k_ok, other=0.0).to(tl.float32)  # (BLOCK_K,)
-        w = tl.load(w_ptrs, mask=n_ok & k_ok[None, :], other=0)  # (BLOCK_N, BLOCK_K) int8
-        # Reduce every tile: registers hold one tile, so wide tiles (more bytes in flight per
-        # program) stay affordable.
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        w_ptrs += BLOCK_K
-    n_in = offs_n < N
-    y = acc * tl.load(s_ptr + offs_n, mask=n_in, other=0.0)
-    if HAS_BIAS:
-        y = y + tl.load(b_ptr + offs_n, mask=n_in, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_in)
+    cdt = x_ptr.dtype.element_ty
+    tile = pid_m * tl.num_programs(0) + pid_n
+    if USE_DOT:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m[:, None] < M
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if PREFETCH:
+            w_next = tl.load(w_ptrs, mask=n_ok & (offs_k[None, :] < k_hi), other=0)
+        for k in range(k_lo, k_hi, BLOCK_K):
+            k_ok = (k + tl.arange(0, BLOCK_K))[None, :] < k_hi
+            if PREFETCH:
+                w = w_next
+                nk_ok = (k + BLOCK_K + tl.arange(0, BLOCK_K))[None, :] < k_hi
+                w_next = tl.load(w_ptrs + BLOCK_K, mask=n_ok & nk_ok, other=0)
+            elif EVEN_K:
+                w = tl.load(w_ptrs, mask=n_ok, other=0)
+            else:
+                w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0)
+            x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)  # (BLOCK_M, BLOCK_K)
+            acc = tl.dot(x, tl.trans(_to_compute(w, cdt, MAGIC)), acc)  # (BLOCK_M, BLOCK_N)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        mask = m_ok & (offs_n[None, :] < N)
+        n_idx = offs_n[None, :] + 0 * offs_m[:, None]
+        _reduce_and_finish(
+            acc, mask, n_idx, offs_m[:, None] * stride_ym + offs_n[None, :],
+            offs_m[:, None] * stride_rm + offs_n[None, :], offs_m[:, None] * N + offs_n[None, :],
+            tile, pid_k, split_k, M * N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
+            HAS_BIAS, ACT, HAS_RES,
+        )  # fmt: skip
+    else:  # one row
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if PREFETCH:
+            w_next = tl.load(w_ptrs, mask=n_ok & (offs_k[None, :] < k_hi), other=0)
+        for k in range(k_lo, k_hi, BLOCK_K):
+            kk = k + tl.arange(0, BLOCK_K)
+            if PREFETCH:
+                w = w_next
+                nk_ok = (kk + BLOCK_K)[None, :] < k_hi
+                w_next = tl.load(w_ptrs + BLOCK_K, mask=n_ok & nk_ok, other=0)
+            else:
+                w = tl.load(w_ptrs, mask=n_ok & (kk[None, :] < k_hi), other=0)
+            x = tl.load(x_ptr + kk, mask=kk < k_hi, other=0.0).to(tl.float32)
+            if MAGIC:
+                wf = _to_compute(w, cdt, MAGIC).to(tl.float32)
+            else:
+                wf = w.to(tl.float32)
+            acc2 += wf * x[None, :]
+            w_ptrs += BLOCK_K
+        acc = tl.sum(acc2, axis=1)  # (BLOCK_N,)
+        mask = offs_n < N
+        _reduce_and_finish(
+            acc, mask, offs_n, offs_n, offs_n, offs_n,
+            tile, pid_k, split_k, N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
+            HAS_BIAS, ACT, HAS_RES,
+        )  # fmt: skip
+
+
+_scratch: dict = {}
+
+
+def _device_scratch(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(workspace fp32, tile counters int32) of this device, made once; the kernel leaves every
+    counter at zero, so consecutive launches on a stream (and graph replays) share them."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _scratch:
+        _scratch[key] = (
+            torch.empty(WORKSPACE_BYTES // 4, dtype=torch.float32, device=device),
+            torch.zeros(COUNTERS, dtype=torch.int32, device=device),
+        )
+    return _scratch[key]
 
 
 def w8a16_matmul(
-    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    gelu: bool = False,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     M, K = x.shape
     N = q.shape[0]
     assert q.shape[1] == K and q.dtype == torch.int8 and q.is_contiguous()
     x = x.contiguous()
+    if residual is not None:
+        residual = residual.reshape(M, N)
+        assert residual.stride(1) == 1
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     magic = x.dtype == torch.float16 and MAGIC_ENABLED
-    if M == 1 and not magic:
-        _gemv_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
-            x, q, scale, bias if bias is not None else scale, y, N, K, q.stride(0),
-            HAS_BIAS=bias is not None,
-        )  # fmt: skip
-        return y
     block_m = 16 if M <= 16 else 32 if M <= 32 else 64
-    m_bucket = block_m  # autotune once per row bucket, not per exact M
+    m_tiles = triton.cdiv(M, block_m)
+    ws, counters = _device_scratch(x.device)
 
     def grid(meta):
-        return (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, block_m))
+        n_tiles = triton.cdiv(N, meta["BLOCK_N"])
+        assert n_tiles * m_tiles <= COUNTERS, "more output tiles than split-K counters"
+        return (n_tiles, meta["split_k"], m_tiles if meta["USE_DOT"] else 1)
 
     _w8a16_kernel[grid](
-        x, q.view(torch.uint8) if magic else q, scale, bias if bias is not None else scale, y,
+        x, q.view(torch.uint8) if magic else q, scale, bias if bias is not None else scale,
+        residual if residual is not None else y, y, ws, counters,
         M, N, K, x.stride(0), q.stride(0), y.stride(0),
-        M_BUCKET=m_bucket, HAS_BIAS=bias is not None, MAGIC=magic, BLOCK_M=block_m,
+        residual.stride(0) if residual is not None else 0,
+        M_BUCKET=block_m, BLOCK_M=block_m, HAS_BIAS=bias is not None, ACT=gelu,
+        HAS_RES=residual is not None, MAGIC=magic,
     )  # fmt: skip
     return y
