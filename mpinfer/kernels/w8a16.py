@@ -18,7 +18,8 @@ is to keep enough loads in flight on every SM. Two things decide that:
 
 Two inner loops, chosen by the autotuner per (rows bucket, N, K):
 - USE_DOT: a BLOCK_N x BLOCK_K int8 tile is converted in registers and fed to the tensor cores
-  (`tl.dot`, rows padded to 16 by masking). For fp16 the conversion uses the bit trick below.
+  (`tl.dot`, rows padded to 16 by masking). For fp16 the autotuner may also pick the
+  conversion by the bit trick in `_to_compute` (MAGIC), which wins on some shapes only.
 - not USE_DOT (one row only): products accumulate elementwise in a BLOCK_N x BLOCK_K fp32 tile
   and are reduced across K once, after the loop (no cross-thread reduction per step).
 """
@@ -31,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-# MPINFER_INT8_MAGIC=0 falls back to the conversion unit (a diagnostic switch).
+# MPINFER_INT8_MAGIC=0 keeps the autotuner off the int8->fp16 bit trick (a diagnostic switch).
 MAGIC_ENABLED = os.environ.get("MPINFER_INT8_MAGIC", "1") != "0"
 WORKSPACE_BYTES = 16 << 20  # per device: the largest split-K partials a launch may write
 COUNTERS = 1 << 15  # per device: one int32 per output tile
@@ -40,26 +41,16 @@ COUNTERS = 1 << 15  # per device: one int32 per output tile
 def _configs() -> list[triton.Config]:
     out = []
     for use_dot, bn, bk, w, s, pf in [
-        # tensor cores: Triton's pipelining (stages) or the explicit prefetch
-        (1, 16, 256, 4, 3, 0), (1, 32, 256, 4, 3, 0), (1, 64, 256, 4, 3, 0), (1, 32, 512, 4, 2, 0),
-        (1, 16, 256, 4, 1, 1), (1, 32, 256, 4, 1, 1), (1, 64, 128, 4, 1, 1), (1, 32, 512, 8, 1, 1),
+        # tensor cores (rows padded to 16)
+        (1, 16, 256, 4, 3, 0), (1, 32, 256, 4, 3, 0), (1, 64, 256, 4, 3, 0),
+        (1, 16, 128, 4, 3, 0), (1, 32, 128, 4, 2, 0), (1, 64, 128, 4, 3, 0),
         # elementwise, one row
-        (0, 16, 256, 4, 1, 1), (0, 8, 512, 4, 1, 1), (0, 32, 128, 4, 1, 1), (0, 16, 256, 4, 3, 0),
+        (0, 16, 256, 4, 3, 0), (0, 8, 512, 4, 1, 1), (0, 16, 128, 2, 3, 0), (0, 8, 256, 2, 3, 0),
     ]:  # fmt: skip
-        for split in (1, 2, 4, 8, 16):
-            out.append(
-                triton.Config(
-                    {
-                        "USE_DOT": use_dot,
-                        "BLOCK_N": bn,
-                        "BLOCK_K": bk,
-                        "PREFETCH": pf,
-                        "split_k": split,
-                    },
-                    num_warps=w,
-                    num_stages=s,
-                )  # fmt: skip
-            )
+        for split in (1, 2, 4, 8, 16, 32):
+            for magic in (0, 1):
+                kw = dict(USE_DOT=use_dot, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pf, MAGIC=magic)
+                out.append(triton.Config(dict(kw, split_k=split), num_warps=w, num_stages=s))
     return out
 
 
@@ -69,14 +60,17 @@ def _sm_count(device) -> int:
 
 def _prune(configs, named_args, **kwargs):
     """Keep configs that are legal for this launch and give the GPU work to overlap: at least
-    half an SM's worth of programs, at most 32 per SM, no split shorter than one tile."""
+    half an SM's worth of programs, no split shorter than one tile."""
     M, N, K = named_args["M"], named_args["N"], named_args["K"]
     block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
     sms = _sm_count(named_args["x_ptr"].device)
+    fp16 = named_args["x_ptr"].dtype == torch.float16
     keep = []
     for c in configs:
         kw = c.kwargs
         if not kw["USE_DOT"] and M != 1:
+            continue
+        if kw["MAGIC"] and not (fp16 and MAGIC_ENABLED):  # the bit trick makes fp16 only
             continue
         split, bn, bk = kw["split_k"], kw["BLOCK_N"], kw["BLOCK_K"]
         if split > 1 and split * M * N * 4 > WORKSPACE_BYTES:
@@ -84,7 +78,7 @@ def _prune(configs, named_args, **kwargs):
         if bk * split > max(K, bk):
             continue
         programs = triton.cdiv(N, bn) * split * triton.cdiv(M, block_m)
-        if programs * 2 < sms and split < 16 or programs > 32 * sms:
+        if programs * 2 < sms and split < 32 or programs > 256 * sms:
             continue
         keep.append(c)
     return keep or configs[:1]
@@ -131,8 +125,8 @@ def _to_compute(w, dtype: tl.constexpr, MAGIC: tl.constexpr):
     if MAGIC:
         # int8 -> fp16 without the conversion unit (16 values/clock/SM on Hopper, about the
         # rate the weight bytes arrive at): the bytes of q + 128, OR-ed into the mantissa of
-        # 1024.0, are the fp16 number 1024 + q + 128; subtract 1152. `w` holds q's bytes.
-        bits = (w ^ 0x80).to(tl.uint16) | 0x6400
+        # 1024.0, are the fp16 number 1024 + q + 128; subtract 1152.
+        bits = (w.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint16) | 0x6400
         return bits.to(tl.float16, bitcast=True) - 1152.0
     else:
         return w.to(dtype)
@@ -152,9 +146,9 @@ def _w8a16_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, split_k,
     M_BUCKET: tl.constexpr, BLOCK_M: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, MAGIC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
     USE_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr, EVEN_K: tl.constexpr,
+    PREFETCH: tl.constexpr, MAGIC: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -257,7 +251,6 @@ def w8a16_matmul(
         residual = residual.reshape(M, N)
         assert residual.stride(1) == 1
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    magic = x.dtype == torch.float16 and MAGIC_ENABLED
     block_m = 16 if M <= 16 else 32 if M <= 32 else 64
     m_tiles = triton.cdiv(M, block_m)
     ws, counters = _device_scratch(x.device)
@@ -268,11 +261,11 @@ def w8a16_matmul(
         return (n_tiles, meta["split_k"], m_tiles if meta["USE_DOT"] else 1)
 
     _w8a16_kernel[grid](
-        x, q.view(torch.uint8) if magic else q, scale, bias if bias is not None else scale,
+        x, q, scale, bias if bias is not None else scale,
         residual if residual is not None else y, y, ws, counters,
         M, N, K, x.stride(0), q.stride(0), y.stride(0),
         residual.stride(0) if residual is not None else 0,
         M_BUCKET=block_m, BLOCK_M=block_m, HAS_BIAS=bias is not None, ACT=gelu,
-        HAS_RES=residual is not None, MAGIC=magic,
+        HAS_RES=residual is not None,
     )  # fmt: skip
     return y
