@@ -56,8 +56,8 @@ def graph_time_us(make_call, copies: int, calls: int = 24) -> float:
 def config_text(cfg) -> str:
     kw = cfg.kwargs
     kind = "dot" if kw.get("USE_DOT") else "fma"
-    return (f"{kind} n{kw['BLOCK_N']} k{kw['BLOCK_K']} split{kw['split_k']} "
-            f"pf{kw['PREFETCH']} w{cfg.num_warps} s{cfg.num_stages}")  # fmt: skip
+    return (f"{kind} n{kw['BLOCK_N']} k{kw['BLOCK_K']} split{kw['split_k']} pf{kw['PREFETCH']} "
+            f"magic{kw.get('MAGIC', 0)} w{cfg.num_warps} s{cfg.num_stages}")  # fmt: skip
 
 
 def bench_shape(name, N, K, epilogue, M, dtype, l2_bytes) -> dict:
