@@ -389,6 +389,7 @@ def memory_check(label, shape_name, kind, config_path, tp_size) -> dict:
     outside = total - free - torch.cuda.memory_reserved()
     measured = torch.cuda.max_memory_reserved() + outside
     predicted = plan.fixed + slots * s.max_seq_len * plan.kv_bytes_per_token
+    peak_allocated = torch.cuda.max_memory_allocated()
     del model, cache, logits
     free_gpu()
     return {
@@ -396,7 +397,7 @@ def memory_check(label, shape_name, kind, config_path, tp_size) -> dict:
         "slots": slots, "max_seq_len": s.max_seq_len, "prefill_tokens": T,
         "planned": {k: v / 2**30 for k, v in plan.items.items()},
         "predicted_GiB": predicted / 2**30, "measured_GiB": measured / 2**30,
-        "peak_allocated_GiB": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_allocated_GiB": peak_allocated / 2**30,
         "outside_allocator_GiB": outside / 2**30,
         "error_pct": 100 * (predicted - measured) / measured,
     }  # fmt: skip
