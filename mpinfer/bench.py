@@ -371,6 +371,7 @@ def memory_check(label, shape_name, kind, config_path, tp_size) -> dict:
     s = cfg.server
     slots = max(1, min(s.max_batch_slots, plan.slots))
     model, shape, tp = build_random(shape_name, kind, tp_size=tp_size)
+    free_gpu()  # the random fill's temporaries are not serving memory (the loader has none)
     cache = KVCache.allocate(shape, tp_size, slots=slots, max_seq=s.max_seq_len,
                              dtype=model.dtype, device="cuda")  # fmt: skip
     dev = "cuda"
