@@ -55,12 +55,16 @@ def randomize_model(model, *, seed: int = 0) -> None:
 def build_random(
     shape_name: str, kind: str, *, tp_size: int = 1, dtype=torch.float16, device: str = "cuda"
 ):
-    """kind: a quant method, with ":emb8" for int8 embeddings too (e.g. "int8:emb8")."""
+    """kind: a quant method, with ":emb8" for int8 embeddings too (e.g. "int8:emb8") and "@bf16"
+    for bf16 activations (e.g. "int8@bf16")."""
     from .config import load_config
     from .layers import TPGroup
     from .loader import build_meta_model
     from .plan import BloomShape
 
+    kind, _, act = kind.partition("@")
+    if act:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[act]
     method, _, emb = kind.partition(":")
     shape = BloomShape(**SHAPES[shape_name])
     embeddings = "int8" if emb == "emb8" else "none"
@@ -288,6 +292,7 @@ def run_gpu(args) -> dict:
         print(json.dumps(row))
         del model
     sim = simulate_tp(args.simulate_tp, bw) if args.simulate_tp else None
+    sim_bf16 = simulate_tp(args.simulate_tp, bw, "bf16") if args.simulate_tp else None
     memory = [memory_check(*case) for case in MEMORY_CASES] if args.memory else []
     for m in memory:
         print(json.dumps(m))
@@ -298,15 +303,16 @@ def run_gpu(args) -> dict:
         "context": ctx,
         "rows": rows,
         "simulate_tp": sim,
+        "simulate_tp_bf16": sim_bf16,
         "memory": memory,
     }
 
 
-def simulate_tp(tp_size: int, bw: float) -> dict:
+def simulate_tp(tp_size: int, bw: float, dtype: str = "fp16") -> dict:
     from .model import KVCache
 
     free_gpu()
-    model, shape, tp = build_random("bloom-176b", "int8:emb8", tp_size=tp_size)
+    model, shape, tp = build_random("bloom-176b", f"int8:emb8@{dtype}", tp_size=tp_size)
     wbytes = weight_bytes(model)
     res = bench_mpinfer(model, shape, tp, batches=(1, 8, 32), context=512, prefill_lens=(),
                         profile=True)  # fmt: skip
@@ -327,6 +333,7 @@ def simulate_tp(tp_size: int, bw: float) -> dict:
     )
     return {
         "tp_size": tp_size,
+        "activations": dtype,
         "weight_GB": wbytes / 1e9,
         "floor_ms": wbytes / bw * 1e3,
         "decode_ms": res["decode_ms"],
@@ -429,12 +436,14 @@ def markdown(result: dict) -> str:
             f"| {d[32]:.2f} | {d[1] / r['floor_ms']:.2f} | {p[512]:.1f} | {p[2048]:.1f} "
             f"| {r['prefill_TFLOPs'][2048]:.0f} | {r['peak_GB']:.1f} |"
         )
-    s = result.get("simulate_tp")
-    if s:
+    for s in (result.get("simulate_tp"), result.get("simulate_tp_bf16")):
+        if not s:
+            continue
         d = s["decode_ms"]
         lines += [
             "",
-            f"BLOOM-176B, one rank of tp={s['tp_size']} (collectives skipped: "
+            f"BLOOM-176B, one rank of tp={s['tp_size']}, {s.get('activations', 'fp16')} activations"
+            " (collectives skipped: "
             f"{s['collectives_per_step_skipped']} per step): int8 weights {s['weight_GB']:.2f} GB, "
             f"floor {s['floor_ms']:.2f} ms, decode b=1 {d[1]:.2f} ms "
             f"({s['ratio_to_floor']:.2f} x the floor), "
@@ -459,6 +468,7 @@ def markdown(result: dict) -> str:
 
 ROWS = {
     "mpinfer-int8": "int8",
+    "mpinfer-int8-bf16": "int8@bf16",
     "mpinfer-int8+emb8": "int8:emb8",
     "mpinfer-fp16": "none",
     "mpinfer-llm.int8": "llm.int8",
