@@ -90,3 +90,31 @@ def test_fault_on_a_worker_rank_ends_every_rank_nonzero(ckpts, tmp_path):
     assert "injected fault in rank 1's step" in proc.stderr
     assert "[rank 0] ERROR engine failed" in proc.stderr  # rank 0 saw it too, and logged it
     assert time.time() - t0 < 60  # well inside the 30 s collective timeout + start-up
+
+
+def test_cache_allocation_warms_every_int8_row_bucket():
+    """Start-up runs one decode step per row bucket of the int8 kernels that the slots reach
+    (1-16, 17-32, 33-64 rows), over distinct slots at position 0, so a GPU autotunes before the
+    first request instead of during it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mpinfer.engine import allocate_cache
+    from mpinfer.plan import BloomShape
+
+    calls = []
+
+    def model(ids, cache, *, slots, start_pos, valid_from, kv_len):
+        calls.append((ids.shape, slots.tolist(), start_pos.tolist(), kv_len, cache.slots))
+
+    shape = BloomShape(vocab_size=64, hidden_size=16, n_layer=1, n_head=2)
+    for slots, rows in ((4, [1]), (20, [1, 17]), (40, [1, 17, 33])):
+        calls.clear()
+        loaded = SimpleNamespace(shape=shape, tp=SimpleNamespace(tp_size=1), model=model,
+                                 dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
+        cache = allocate_cache(loaded, slots, 8)
+        assert cache.slots == slots and cache.max_seq == 8
+        assert [c[0] for c in calls] == [(r, 1) for r in rows]
+        assert [c[1] for c in calls] == [list(range(r)) for r in rows]
+        assert all(set(c[2]) == {0} and c[3] == 1 for c in calls)
