@@ -94,7 +94,7 @@ def test_fault_on_a_worker_rank_ends_every_rank_nonzero(ckpts, tmp_path):
 
 def test_cache_allocation_warms_every_int8_row_bucket():
     """Start-up runs one decode step per row bucket of the int8 kernels that the slots reach
-    (1-16, 17-32, 33-64 rows), over distinct slots at position 0, so a GPU autotunes before the
+    (1, 2-16, 17-32, 33-64 rows), over distinct slots at position 0, so a GPU autotunes before the
     first request instead of during it."""
     from types import SimpleNamespace
 
@@ -109,7 +109,7 @@ def test_cache_allocation_warms_every_int8_row_bucket():
         calls.append((ids.shape, slots.tolist(), start_pos.tolist(), kv_len, cache.slots))
 
     shape = BloomShape(vocab_size=64, hidden_size=16, n_layer=1, n_head=2)
-    for slots, rows in ((4, [1]), (20, [1, 17]), (40, [1, 17, 33])):
+    for slots, rows in ((1, [1]), (4, [1, 2]), (20, [1, 2, 17]), (40, [1, 2, 17, 33])):
         calls.clear()
         loaded = SimpleNamespace(shape=shape, tp=SimpleNamespace(tp_size=1), model=model,
                                  dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip

@@ -63,6 +63,22 @@ def test_int8_linear_fused_epilogue_is_exact_and_repeatable(M, N, K, dtype, epil
     assert torch.equal(ours[0], ours[1]) and torch.equal(ours[0], ours[2])
 
 
+def test_one_row_tuning_is_never_reused_for_several_rows():
+    """One row may tune to the one-row loop, which computes row 0 only; 2..16 rows of the same
+    shape must get their own tuning, not that config (they did once: rows 1.. came out empty)."""
+    from mpinfer.kernels import int8_linear
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    N, K = 4096, 4096  # a shape whose one-row winner on the H200 is the one-row loop
+    q, scale = quantize_rows(torch.randn(N, K, device="cuda", generator=g))
+    bias = torch.randn(N, device="cuda", generator=g, dtype=torch.float16)
+    for M in (1, 5, 16, 1):
+        x = torch.randn(M, K, device="cuda", generator=g, dtype=torch.float16)
+        ref = int8_linear_reference(x.float(), q, scale, bias.float())
+        ours = int8_linear(x, q, scale, bias).float()
+        torch.testing.assert_close(ours, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
 def _families():
     from mpinfer.kernels.w8a16 import _configs
 
@@ -105,7 +121,7 @@ def test_every_config_family_split_k(dtype):
                 jit[grid](
                     x, q, scale, bias, res, y, ws, counters,
                     M, N, K, x.stride(0), q.stride(0), y.stride(0), res.stride(0), split,
-                    M_BUCKET=16, BLOCK_M=16, HAS_BIAS=True, ACT=True, HAS_RES=True,
+                    int(M == 1), BLOCK_M=16, HAS_BIAS=True, ACT=True, HAS_RES=True,
                     MAGIC=kw["MAGIC"],
                     USE_DOT=kw["USE_DOT"], BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"],
                     PREFETCH=kw["PREFETCH"], EVEN_K=K % kw["BLOCK_K"] == 0,

@@ -13,8 +13,9 @@ is to keep enough loads in flight on every SM. Two things decide that:
   program writes its fp32 partial tile to a workspace and bumps a per-tile counter; the last
   to arrive adds the partials in split order (the same order every time, so a result never
   depends on timing), applies the epilogue and resets the counter for the next launch.
-- Loads ahead of use. The loop loads the next tile before it converts and multiplies the current
-  one (PREFETCH), on top of whatever software pipelining Triton does.
+- Loads ahead of use: Triton's software pipelining (num_stages) for the tensor-core loop; the
+  one-row loop, which Triton does not pipeline, may load the next tile before it converts and
+  multiplies the current one (PREFETCH).
 
 Two inner loops, chosen by the autotuner per (rows bucket, N, K):
 - USE_DOT: a BLOCK_N x BLOCK_K int8 tile is converted in registers and fed to the tensor cores
@@ -141,14 +142,14 @@ def _bench(fn, quantiles=None, **_):
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
-@triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K"], do_bench=_bench,
+@triton.autotune(configs=_configs(), key=["BLOCK_M", "one_row", "N", "K"], do_bench=_bench,
                  prune_configs_by={"early_config_prune": _prune})  # fmt: skip
 @triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
-@triton.jit(do_not_specialize=["split_k"])
+@triton.jit(do_not_specialize=["split_k", "one_row"])
 def _w8a16_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
-    M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, split_k,
-    M_BUCKET: tl.constexpr, BLOCK_M: tl.constexpr,
+    M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, split_k, one_row,
+    BLOCK_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
     USE_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr, MAGIC: tl.constexpr, EVEN_K: tl.constexpr,
@@ -170,15 +171,9 @@ def _w8a16_kernel(
         m_ok = offs_m[:, None] < M
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if PREFETCH:
-            w_next = tl.load(w_ptrs, mask=n_ok & (offs_k[None, :] < k_hi), other=0)
-        for k in range(k_lo, k_hi, BLOCK_K):
+        for k in range(k_lo, k_hi, BLOCK_K):  # Triton's pipelining keeps loads ahead (stages)
             k_ok = (k + tl.arange(0, BLOCK_K))[None, :] < k_hi
-            if PREFETCH:
-                w = w_next
-                nk_ok = (k + BLOCK_K + tl.arange(0, BLOCK_K))[None, :] < k_hi
-                w_next = tl.load(w_ptrs + BLOCK_K, mask=n_ok & nk_ok, other=0)
-            elif EVEN_K:
+            if EVEN_K:
                 w = tl.load(w_ptrs, mask=n_ok, other=0)
             else:
                 w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0)
@@ -261,6 +256,7 @@ def w8a16_matmul(
     def grid(meta):
         n_tiles = triton.cdiv(N, meta["BLOCK_N"])
         assert n_tiles * m_tiles <= COUNTERS, "more output tiles than split-K counters"
+        assert meta["USE_DOT"] or M == 1, "the one-row loop picked for several rows"
         return (n_tiles, meta["split_k"], m_tiles if meta["USE_DOT"] else 1)
 
     _w8a16_kernel[grid](
@@ -268,7 +264,9 @@ def w8a16_matmul(
         residual if residual is not None else y, y, ws, counters,
         M, N, K, x.stride(0), q.stride(0), y.stride(0),
         residual.stride(0) if residual is not None else 0,
-        M_BUCKET=block_m, BLOCK_M=block_m, HAS_BIAS=bias is not None, ACT=gelu,
+        # The one-row loop (USE_DOT=0) is right for M == 1 only: one row is its own tuning key,
+        # apart from 2..16 rows, so a config tuned for one row is never reused for more.
+        one_row=int(M == 1), BLOCK_M=block_m, HAS_BIAS=bias is not None, ACT=gelu,
         HAS_RES=residual is not None,
     )  # fmt: skip
     return y
