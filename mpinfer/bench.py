@@ -293,7 +293,11 @@ def run_gpu(args) -> dict:
         del model
     sim = simulate_tp(args.simulate_tp, bw) if args.simulate_tp else None
     sim_bf16 = simulate_tp(args.simulate_tp, bw, "bf16") if args.simulate_tp else None
-    memory = [memory_check(*case) for case in MEMORY_CASES] if args.memory else []
+    memory = []
+    if args.memory:
+        from .memory import MEMORY_CASES, memory_check
+
+        memory = [memory_check(*case) for case in MEMORY_CASES]
     for m in memory:
         print(json.dumps(m))
     return {
@@ -344,73 +348,6 @@ def simulate_tp(tp_size: int, bw: float, dtype: str = "fp16") -> dict:
     }
 
 
-# The planner against the GPU (#8): the label, bench shape, row kind, config file, tp size.
-MEMORY_CASES = [
-    ("bloom-7b1 int8", "bloom-7b1", "int8", "configs/bloom-7b1.toml", 1),
-    ("bloom-7b1 fp16", "bloom-7b1", "none", "configs/bloom-7b1.toml", 1),
-    ("bloom-176b tp-8 rank", "bloom-176b", "int8:emb8", "configs/bloom-176b-8x24gb.toml", 8),
-]
-
-
-def memory_check(label, shape_name, kind, config_path, tp_size) -> dict:
-    """The planner's per-GPU total for a config against what the GPU holds at the peak of
-    serving it: the weights, a KV cache of the config's slots x max_seq_len, a prefill of
-    max_prefill_tokens and a decode step over every slot with fp32 logits and their softmax
-    (what the engine does). Measured = the allocator's peak reservation + what lives outside
-    it (CUDA context, cuBLAS and Triton modules), read from the driver."""
-    from .config import load_config
-    from .memory import plan_memory
-    from .model import KVCache
-    from .plan import BloomShape
-
-    method, _, emb = kind.partition(":")
-    cfg = load_config(config_path, [f'quant.method="{method}"',
-                                    f'quant.embeddings="{"int8" if emb else "none"}"'])  # fmt: skip
-    shape = BloomShape(**SHAPES[shape_name])
-    free_gpu()
-    total = torch.cuda.mem_get_info()[1]
-    budget = total
-    if cfg.model.memory_budget:
-        from .config import parse_bytes
-
-        budget = parse_bytes(cfg.model.memory_budget, "model.memory_budget")
-    plan = plan_memory(shape, cfg, tp_size=tp_size, budget=budget)
-    s = cfg.server
-    slots = max(1, min(s.max_batch_slots, plan.slots))
-    model, shape, tp = build_random(shape_name, kind, tp_size=tp_size)
-    free_gpu()  # the random fill's temporaries are not serving memory (the loader has none)
-    cache = KVCache.allocate(shape, tp_size, slots=slots, max_seq=s.max_seq_len,
-                             dtype=model.dtype, device="cuda")  # fmt: skip
-    dev = "cuda"
-    T = min(s.max_prefill_tokens, s.max_seq_len - 1)
-    one = torch.zeros(1, dtype=torch.long, device=dev)
-    ids = torch.randint(4, shape.vocab_size, (1, T), device=dev)
-    model(ids, cache, slots=one, start_pos=one, valid_from=one, kv_len=T).float().softmax(-1)
-    all_slots = torch.arange(slots, device=dev)
-    pos = torch.full((slots,), T, dtype=torch.long, device=dev)
-    zeros = torch.zeros(slots, dtype=torch.long, device=dev)
-    tokens = torch.randint(4, shape.vocab_size, (slots, 1), device=dev)
-    logits = model(tokens, cache, slots=all_slots, start_pos=pos, valid_from=zeros, kv_len=T + 1)
-    logits.float().softmax(-1)
-    torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    outside = total - free - torch.cuda.memory_reserved()
-    measured = torch.cuda.max_memory_reserved() + outside
-    predicted = plan.fixed + slots * s.max_seq_len * plan.kv_bytes_per_token
-    peak_allocated = torch.cuda.max_memory_allocated()
-    del model, cache, logits
-    free_gpu()
-    return {
-        "case": label, "config": config_path, "quant": kind, "tp_size": tp_size,
-        "slots": slots, "max_seq_len": s.max_seq_len, "prefill_tokens": T,
-        "planned": {k: v / 2**30 for k, v in plan.items.items()},
-        "predicted_GiB": predicted / 2**30, "measured_GiB": measured / 2**30,
-        "peak_allocated_GiB": peak_allocated / 2**30,
-        "outside_allocator_GiB": outside / 2**30,
-        "error_pct": 100 * (predicted - measured) / measured,
-    }  # fmt: skip
-
-
 def machine() -> dict:
     info = {"python": platform.python_version(), "torch": torch.__version__}
     if torch.cuda.is_available():
@@ -451,18 +388,9 @@ def markdown(result: dict) -> str:
             f"{s['peak_GB_with_2048_token_cache']:.2f} GB",
         ]
     if result.get("memory"):
-        lines += [
-            "",
-            "| planner vs GPU | slots x max_seq_len | prefill | predicted GiB | measured GiB "
-            "| error | of which outside torch's allocator |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for m in result["memory"]:
-            lines.append(
-                f"| {m['case']} | {m['slots']} x {m['max_seq_len']} | {m['prefill_tokens']} "
-                f"| {m['predicted_GiB']:.2f} | {m['measured_GiB']:.2f} | {m['error_pct']:+.1f} % "
-                f"| {m['outside_allocator_GiB']:.2f} GiB |"
-            )
+        from .memory import memory_check_table
+
+        lines += ["", memory_check_table(result["memory"])]
     return "\n".join(lines)
 
 
@@ -492,7 +420,7 @@ def bench_main(argv: list[str]) -> int:
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {list(ROWS)}")
     p.add_argument("--simulate-tp", type=int, default=0, help="also one BLOOM-176B rank of tp=N")
     p.add_argument("--memory", action="store_true",
-                   help="also the memory planner against the GPU for MEMORY_CASES")  # fmt: skip
+                   help="also the planner against the GPU (memory.MEMORY_CASES)")  # fmt: skip
     p.add_argument("--out", default="bench/results/gpu.json")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -7,7 +7,8 @@ at will) on a background thread, so a load can report its true peak.
 `plan_memory` counts, per rank, what the TP plan puts on each GPU (int8 weights, scales,
 embeddings, biases and norms), a CUDA context reserve and an activation workspace, and how many
 KV-cache tokens fit in what is left; `mpinfer plan` prints it and start-up uses it to refuse a
-model that cannot fit, before loading anything.
+model that cannot fit, before loading anything. `memory_check` serves a config on a GPU and
+compares the planner's total with what the driver reports (`mpinfer bench gpu --memory`).
 """
 
 from __future__ import annotations
@@ -230,6 +231,83 @@ def kv_slots(loaded, cfg, ctx) -> int:
             "server.max_batch_slots=%d does not fit beside the weights: using %d", want, fit
         )
     return min(want, fit)
+
+
+# -- the planner against a GPU (a benchmark: `mpinfer bench gpu --memory`) ----------------------
+# label, bench shape, row kind (bench.build_random), config file, tp size
+MEMORY_CASES = [
+    ("bloom-7b1 int8", "bloom-7b1", "int8", "configs/bloom-7b1.toml", 1),
+    ("bloom-7b1 fp16", "bloom-7b1", "none", "configs/bloom-7b1.toml", 1),
+    ("bloom-176b tp-8 rank", "bloom-176b", "int8:emb8", "configs/bloom-176b-8x24gb.toml", 8),
+]
+
+
+def memory_check(label, shape_name, kind, config_path, tp_size) -> dict:
+    """The planner's per-GPU total for a config against what the GPU holds at the peak of
+    serving it: the weights, a KV cache of the config's slots x max_seq_len, a prefill of
+    max_prefill_tokens and a decode step over every slot with fp32 logits and their softmax
+    (what the engine does). Measured = the allocator's peak reservation + what lives outside
+    it (CUDA context, cuBLAS and Triton modules), read from the driver."""
+    import torch
+
+    from .bench import SHAPES, build_random, free_gpu
+    from .config import load_config
+    from .model import KVCache
+    from .plan import BloomShape
+
+    method, _, emb = kind.partition(":")
+    cfg = load_config(config_path, [f'quant.method="{method}"',
+                                    f'quant.embeddings="{"int8" if emb else "none"}"'])  # fmt: skip
+    dev = torch.device("cuda")
+    free_gpu()
+    plan = plan_memory(BloomShape(**SHAPES[shape_name]), cfg, tp_size=tp_size,
+                       budget=budget_bytes(cfg, dev))  # fmt: skip
+    s = cfg.server
+    slots = max(1, min(s.max_batch_slots, plan.slots))
+    model, shape, _ = build_random(shape_name, kind, tp_size=tp_size)
+    free_gpu()  # the random fill's temporaries are not serving memory (the loader has none)
+    cache = KVCache.allocate(shape, tp_size, slots=slots, max_seq=s.max_seq_len,
+                             dtype=model.dtype, device=dev)  # fmt: skip
+    T = min(s.max_prefill_tokens, s.max_seq_len - 1)
+    one = torch.zeros(1, dtype=torch.long, device=dev)
+    ids = torch.randint(4, shape.vocab_size, (1, T), device=dev)
+    model(ids, cache, slots=one, start_pos=one, valid_from=one, kv_len=T).float().softmax(-1)
+    pos = torch.full((slots,), T, dtype=torch.long, device=dev)
+    tokens = torch.randint(4, shape.vocab_size, (slots, 1), device=dev)
+    logits = model(tokens, cache, slots=torch.arange(slots, device=dev), start_pos=pos,
+                   valid_from=torch.zeros_like(pos), kv_len=T + 1)  # fmt: skip
+    logits.float().softmax(-1)
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    outside = total - free - torch.cuda.memory_reserved()
+    measured = torch.cuda.max_memory_reserved() + outside
+    predicted = plan.fixed + slots * s.max_seq_len * plan.kv_bytes_per_token
+    peak_allocated = torch.cuda.max_memory_allocated()
+    del model, cache, logits
+    free_gpu()
+    return {
+        "case": label, "config": config_path, "quant": kind, "tp_size": tp_size,
+        "slots": slots, "max_seq_len": s.max_seq_len, "prefill_tokens": T,
+        "planned": {k: v / GIB for k, v in plan.items.items()},
+        "predicted_GiB": predicted / GIB, "measured_GiB": measured / GIB,
+        "peak_allocated_GiB": peak_allocated / GIB, "outside_allocator_GiB": outside / GIB,
+        "error_pct": 100 * (predicted - measured) / measured,
+    }  # fmt: skip
+
+
+def memory_check_table(checks: list[dict]) -> str:
+    lines = [
+        "| planner vs GPU | slots x max_seq_len | prefill | predicted GiB | measured GiB | error "
+        "| of which outside torch's allocator |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for m in checks:
+        lines.append(
+            f"| {m['case']} | {m['slots']} x {m['max_seq_len']} | {m['prefill_tokens']} "
+            f"| {m['predicted_GiB']:.2f} | {m['measured_GiB']:.2f} | {m['error_pct']:+.1f} % "
+            f"| {m['outside_allocator_GiB']:.2f} GiB |"
+        )
+    return "\n".join(lines)
 
 
 def plan_main(argv: list[str]) -> int:
