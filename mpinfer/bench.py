@@ -348,6 +348,16 @@ def simulate_tp(tp_size: int, bw: float, dtype: str = "fp16") -> dict:
     }
 
 
+def save_result(result: dict, out: str, table: str) -> None:
+    """Every benchmark's ending: the JSON at `out`, the markdown table beside it, the table on
+    stdout."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    path.with_suffix(".md").write_text(table + "\n")
+    print(table)
+
+
 def machine() -> dict:
     info = {"python": platform.python_version(), "torch": torch.__version__}
     if torch.cuda.is_available():
@@ -428,10 +438,5 @@ def bench_main(argv: list[str]) -> int:
         return 2
     a.rows = [(r, ROWS[r]) for r in a.rows.split(",")]
     result = run_gpu(a)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    table = markdown(result)
-    out.with_suffix(".md").write_text(table + "\n")
-    print(table)
+    save_result(result, a.out, markdown(result))
     return 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -138,7 +137,7 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("error: `mpinfer bench kernels` needs a CUDA GPU")
         return 2
-    from .bench import machine, measure_ceilings
+    from .bench import machine, measure_ceilings, save_result
 
     ceil = measure_ceilings()
     props = torch.cuda.get_device_properties(0)
@@ -153,10 +152,5 @@ def main(argv: list[str]) -> int:
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "autotune_ms"}), flush=True)
     result = {"machine": machine(), "gpu": props.name, **ceil, "rows": rows}
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    table = markdown(result)
-    out.with_suffix(".md").write_text(table + "\n")
-    print(table)
+    save_result(result, a.out, markdown(result))
     return 0

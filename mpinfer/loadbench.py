@@ -374,13 +374,8 @@ def main(argv: list[str]) -> int:
         "serve": (run_serve, serve_table),
     }[a.what]
     result = run(a)
-    from .bench import machine
+    from .bench import machine, save_result
 
     result["machine"] = {**machine(), "cpus": os.cpu_count()}
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    text = table(result)
-    out.with_suffix(".md").write_text(text + "\n")
-    print(text)
+    save_result(result, a.out, table(result))
     return 0
