@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,3 +111,10 @@ def raise_everywhere(error: str | None, ctx: DistContext) -> None:
     error = broadcast_object(error, ctx)
     if error:
         raise ValueError(error)
+
+
+def torchrun_command(nproc: int, args: list[str]) -> list[str]:
+    """The command line that runs `args` (a script or `-m module`, and its arguments) on `nproc`
+    local ranks under torchrun, with this interpreter (benchmarks and tests start jobs this way)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", *args]  # fmt: skip

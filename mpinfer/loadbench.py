@@ -24,19 +24,14 @@ import threading
 import time
 from pathlib import Path
 
+from .dist import torchrun_command
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _torchrun(nproc: int, args: list[str], timeout: float = 900):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        *args,
-    ]
+    cmd = torchrun_command(nproc, args)
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
     if p.returncode:
@@ -252,22 +247,20 @@ def run_serve(a) -> dict:
     port = 18000 + os.getpid() % 1000
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "launch/serve.py",
-            "--model",
-            str(path),
-            "--port",
-            str(port),
-            "--set",
-            "server.max_batch_slots=32",
-            "--set",
-            "server.max_seq_len=256",
-        ],
+        torchrun_command(
+            2,
+            [
+                "launch/serve.py",
+                "--model",
+                str(path),
+                "--port",
+                str(port),
+                "--set",
+                "server.max_batch_slots=32",
+                "--set",
+                "server.max_seq_len=256",
+            ],
+        ),
         cwd=ROOT,
         env=ENV,
         stdout=subprocess.DEVNULL,

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from mpinfer.dist import torchrun_command
 from mpinfer.tiny import make_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,14 +23,7 @@ TINY = dict(layers=2, hidden=64, heads=4, vocab=1001, seed=7)
 
 def torchrun(nproc: int, args: list[str], *, timeout: float = 180, env: dict | None = None):
     """Run a real torchrun job; returns the CompletedProcess (stdout/stderr as text)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        *args,
-    ]
+    cmd = torchrun_command(nproc, args)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(
         cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env

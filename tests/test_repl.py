@@ -11,6 +11,8 @@ import sys
 import pexpect
 import pytest
 
+from mpinfer.dist import torchrun_command
+
 from .conftest import ROOT, torchrun
 
 PROMPT = "the capital of france is"
@@ -46,17 +48,15 @@ def spawn(args: list[str], tmp_path) -> pexpect.spawn:
         "PYTHONUNBUFFERED": "1",
         "MPINFER_LOG_LEVEL": "WARNING",
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "launch/repl.py",
-        *args,
-        "--history",
-        str(tmp_path / "hist"),
-    ]
+    cmd = torchrun_command(
+        2,
+        [
+            "launch/repl.py",
+            *args,
+            "--history",
+            str(tmp_path / "hist"),
+        ],
+    )
     return pexpect.spawn(
         cmd[0], cmd[1:], cwd=str(ROOT), env=env, encoding="utf-8", timeout=90, dimensions=(40, 200)
     )
@@ -122,18 +122,16 @@ def test_ctrl_c_at_empty_prompt_exits_cleanly(ckpts, tmp_path):
 
 def test_piped_stdin_one_prompt_per_line(ckpts, reference):
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "launch/repl.py",
-            "--model",
-            str(ckpts["st_sharded"]),
-            "--set",
-            "generation.max_new_tokens=8",
-        ],
+        torchrun_command(
+            2,
+            [
+                "launch/repl.py",
+                "--model",
+                str(ckpts["st_sharded"]),
+                "--set",
+                "generation.max_new_tokens=8",
+            ],
+        ),
         input=f"{PROMPT}\n{PROMPT}\n",
         capture_output=True,
         text=True,

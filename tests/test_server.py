@@ -9,13 +9,14 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import psutil
 import pytest
+
+from mpinfer.dist import torchrun_command
 
 from .conftest import ROOT
 
@@ -34,25 +35,23 @@ class Server:
         self.port = free_port()
         self.headers = {}
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "launch/serve.py",
-            "--model",
-            str(model),
-            "--port",
-            str(self.port),
-            "--quant",
-            "none",
-            "--dtype",
-            "float32",
-            "--set",
-            "parallel.timeout_s=20",
-            *[x for s in settings for x in ("--set", s)],
-        ]
+        args = torchrun_command(
+            2,
+            [
+                "launch/serve.py",
+                "--model",
+                str(model),
+                "--port",
+                str(self.port),
+                "--quant",
+                "none",
+                "--dtype",
+                "float32",
+                "--set",
+                "parallel.timeout_s=20",
+                *[x for s in settings for x in ("--set", s)],
+            ],
+        )
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.log = open(ROOT / f".server-{self.port}.log", "w+")
         self.proc = subprocess.Popen(
