@@ -80,8 +80,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, *, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`all_reduce(x_r @ W_r^T) + b (+ residual)`. Rank 0 adds the bias and the residual to
-        its share before the sum (Megatron's trick), so both ride in the matmul's epilogue and
-        the sum needs no second pass."""
+        its share before the sum, so both ride in the matmul's epilogue and the sum needs no
+        second pass."""
         first = self.tp.tp_rank == 0
         partial = self.method.apply_fused(
             self, x, self.bias if first else None, residual=residual if first else None

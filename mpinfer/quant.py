@@ -35,10 +35,13 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float()[:, None]
 
 
-def bloom_gelu(x: torch.Tensor) -> torch.Tensor:
-    # BLOOM's gelu is the tanh approximation (its constant 0.79788456 is sqrt(2/pi) to 8
-    # digits); torch's fused kernel computes the same function in one pass instead of seven.
-    return F.gelu(x, approximate="tanh")
+def epilogue(y: torch.Tensor, *, gelu: bool, residual: torch.Tensor | None) -> torch.Tensor:
+    """BLOOM's elementwise neighbours of a linear layer, as separate torch ops: its GeLU (the
+    tanh approximation; 0.79788456 is sqrt(2/pi) to 8 digits, and torch computes it in one
+    pass) and the residual add. What the GPU decode kernel does in its own epilogue."""
+    if gelu:
+        y = F.gelu(y, approximate="tanh")
+    return y + residual if residual is not None else y
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -70,10 +73,7 @@ class LinearMethod(ABC):
     ) -> torch.Tensor:
         """`gelu(x @ W^T + bias) + residual`: the matmul with BLOOM's elementwise neighbours,
         which a kernel may fuse into its epilogue (here: separate torch ops)."""
-        y = self.apply(layer, x, bias)
-        if gelu:
-            y = bloom_gelu(y)
-        return y + residual if residual is not None else y
+        return epilogue(self.apply(layer, x, bias), gelu=gelu, residual=residual)
 
     def after_load(self, layer: nn.Module) -> None:
         """Hook once real tensors are in place (e.g. build a backend's state)."""

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..quant import epilogue
+
 DECODE_MAX_ROWS = 64
 
 
@@ -39,6 +41,4 @@ def int8_linear(
         y = F.linear(x, dequantize(q, scale, x.dtype), bias)
     else:  # fp32 on a GPU: the reference
         y = F.linear(x, q.to(x.dtype), None) * scale + (0 if bias is None else bias)
-    if gelu:
-        y = F.gelu(y, approximate="tanh")
-    return y + residual if residual is not None else y
+    return epilogue(y, gelu=gelu, residual=residual)
