@@ -291,8 +291,7 @@ def run_gpu(args) -> dict:
         rows.append(row)
         print(json.dumps(row))
         del model
-    sim = simulate_tp(args.simulate_tp, bw) if args.simulate_tp else None
-    sim_bf16 = simulate_tp(args.simulate_tp, bw, "bf16") if args.simulate_tp else None
+    sims = [simulate_tp(args.simulate_tp, bw, dt) for dt in ("fp16", "bf16") if args.simulate_tp]
     memory = []
     if args.memory:
         from .memory import MEMORY_CASES, memory_check
@@ -306,8 +305,7 @@ def run_gpu(args) -> dict:
         "shape": args.shape,
         "context": ctx,
         "rows": rows,
-        "simulate_tp": sim,
-        "simulate_tp_bf16": sim_bf16,
+        "simulate_tp": sims,
         "memory": memory,
     }
 
@@ -383,14 +381,12 @@ def markdown(result: dict) -> str:
             f"| {d[32]:.2f} | {d[1] / r['floor_ms']:.2f} | {p[512]:.1f} | {p[2048]:.1f} "
             f"| {r['prefill_TFLOPs'][2048]:.0f} | {r['peak_GB']:.1f} |"
         )
-    for s in (result.get("simulate_tp"), result.get("simulate_tp_bf16")):
-        if not s:
-            continue
+    for s in result.get("simulate_tp") or []:
         d = s["decode_ms"]
         lines += [
             "",
-            f"BLOOM-176B, one rank of tp={s['tp_size']}, {s.get('activations', 'fp16')} activations"
-            " (collectives skipped: "
+            f"BLOOM-176B, one rank of tp={s['tp_size']}, {s['activations']} activations "
+            "(collectives skipped: "
             f"{s['collectives_per_step_skipped']} per step): int8 weights {s['weight_GB']:.2f} GB, "
             f"floor {s['floor_ms']:.2f} ms, decode b=1 {d[1]:.2f} ms "
             f"({s['ratio_to_floor']:.2f} x the floor), "

@@ -54,7 +54,7 @@ def graph_time_us(make_call, copies: int, calls: int = 24) -> float:
 
 def config_text(cfg) -> str:
     kw = cfg.kwargs
-    kind = "dot" if kw.get("USE_DOT") else "fma"
+    kind = ("swap" if kw.get("SWAP") else "dot") if kw.get("USE_DOT") else "fma"
     return (f"{kind} n{kw['BLOCK_N']} k{kw['BLOCK_K']} split{kw['split_k']} pf{kw['PREFETCH']} "
             f"magic{kw.get('MAGIC', 0)} w{cfg.num_warps} s{cfg.num_stages}")  # fmt: skip
 

@@ -93,9 +93,10 @@ def _families():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_every_config_family_split_k(dtype):
     """Every kernel variant the autotuner may pick, with 1 and with 3 K-splits (an uneven split,
-    one of them shorter), on a shape with a ragged edge in N and K: it matches the reference and
-    leaves every tile counter at zero for the next launch. The autotuner only ever runs the
-    winner, so without this a broken variant could wait for the one GPU it wins on."""
+    one of them shorter), on a shape with a ragged edge in N and K, at 1, 7 and 20 rows (two
+    row tiles): it matches the reference and leaves every tile counter at zero for the next
+    launch. The autotuner only ever runs the winner, so without this a broken variant could
+    wait for the one GPU it wins on."""
     import triton
 
     from mpinfer.kernels import w8a16
@@ -111,19 +112,19 @@ def test_every_config_family_split_k(dtype):
         kw = c.kwargs
         if kw["MAGIC"] and dtype != torch.float16:
             continue
-        for M in (1, 7) if kw["USE_DOT"] else (1,):
+        for M in (1, 7, 20) if kw["USE_DOT"] else (1,):
             x = torch.randn(M, K, device="cuda", generator=g, dtype=dtype)
             res = torch.randn(M, N, device="cuda", generator=g, dtype=dtype)
             ref = _fused_reference(x, q, scale, bias, True, res)
             for split in (1, 3):
                 y = torch.empty(M, N, device="cuda", dtype=dtype)
-                grid = (triton.cdiv(N, kw["BLOCK_N"]), split, 1)
+                grid = (triton.cdiv(N, kw["BLOCK_N"]), split, triton.cdiv(M, 16))
                 jit[grid](
                     x, q, scale, bias, res, y, ws, counters,
                     M, N, K, x.stride(0), q.stride(0), y.stride(0), res.stride(0), split,
                     int(M == 1), BLOCK_M=16, HAS_BIAS=True, ACT=True, HAS_RES=True,
-                    MAGIC=kw["MAGIC"],
-                    USE_DOT=kw["USE_DOT"], BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"],
+                    MAGIC=kw["MAGIC"], USE_DOT=kw["USE_DOT"], SWAP=kw["SWAP"],
+                    BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"],
                     PREFETCH=kw["PREFETCH"], EVEN_K=K % kw["BLOCK_K"] == 0,
                     num_warps=c.num_warps, num_stages=c.num_stages,
                 )  # fmt: skip

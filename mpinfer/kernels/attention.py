@@ -8,7 +8,7 @@ attend over the slot's history, for one query token per row.
     slopes (heads_per_rank,) fp32            this rank's ALiBi slopes
     out (B, heads_per_rank * head_dim)       ready for the dense (row-parallel) layer
 
-Flash-decoding: program (b, h, s) streams split s of the slot's keys and values (SPLIT_L
+Flash-decoding: program (b, h, s) streams split s of the slot's keys and values (split_l
 positions, in BLOCK_L tiles) with an online softmax in fp32, and a second kernel merges the
 splits; batch 1 with 32 heads still fills the GPU. The new token's key and value come straight
 from qkv (no read-after-write of the cache inside a program). Two launches replace the
@@ -26,10 +26,10 @@ import triton.language as tl
 @triton.jit
 def _decode_attention_kernel(
     qkv_ptr, k_ptr, v_ptr, ws_ptr, slot_ptr, pos_ptr, vf_ptr, slope_ptr,
-    stride_qkv, stride_cs, stride_ch, stride_cl, scale, n_heads, n_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, SPLIT_L: tl.constexpr,
+    stride_qkv, stride_cs, stride_ch, stride_cl, scale, n_heads, n_splits, split_l,
+    HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr,
 ):  # fmt: skip
-    """Program (b, h, s): keys [vf + s*SPLIT_L, ...) below pos, and (s == 0) the new token.
+    """Program (b, h, s): keys [vf + s*split_l, ...) below pos, and (s == 0) the new token.
     Writes its partial softmax state (max, sum, weighted values) to the workspace."""
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -53,8 +53,8 @@ def _decode_attention_kernel(
         m = tl.sum(q * k_new.to(tl.float32)) * scale + slope * (pos - vf).to(tl.float32)
         denom = 1.0
         acc = v_new.to(tl.float32)
-    lo = vf + s * SPLIT_L
-    hi = tl.minimum(lo + SPLIT_L, pos)
+    lo = vf + s * split_l
+    hi = tl.minimum(lo + split_l, pos)
     offs = tl.arange(0, BLOCK_L)
     for start in tl.range(lo, hi, BLOCK_L):
         j = start + offs  # (BLOCK_L,) key positions
@@ -95,7 +95,15 @@ def _combine_kernel(ws_ptr, out_ptr, stride_out, n_heads, n_splits,
     tl.store(out_ptr + b * stride_out + h * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
 
 
-SPLIT_L = 64  # keys per program: one tile each, so batch 1 still fills the GPU
+def split_length(batch: int, heads: int, max_seq: int, device) -> int:
+    """Keys per program: short enough that batch x heads x splits gives every SM about 8
+    programs (batch 1 with 14 or 32 heads still fills the GPU), long enough that a large batch
+    gets fewer, longer programs whose loads pipeline (a program's first loads wait on three
+    dependent reads: slot, position, cache row). A multiple of the 64-key tile; it depends only
+    on the batch and the cache length, so a captured graph stays valid."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    splits = max(1, min(triton.cdiv(max_seq, 64), triton.cdiv(8 * sms, batch * heads)))
+    return triton.cdiv(triton.cdiv(max_seq, splits), 64) * 64
 
 
 def decode_attention(
@@ -110,15 +118,15 @@ def decode_attention(
     B = qkv.shape[0]
     heads, max_seq, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
-    # The split count depends only on the cache length, so a captured graph stays valid.
-    n_splits = triton.cdiv(max_seq, SPLIT_L)
+    split_l = split_length(B, heads, max_seq, qkv.device)
+    n_splits = triton.cdiv(max_seq, split_l)
     ws = torch.empty((B, heads, n_splits, head_dim + 2), dtype=torch.float32, device=qkv.device)
     out = torch.empty((B, heads * head_dim), dtype=qkv.dtype, device=qkv.device)
     _decode_attention_kernel[(B, heads, n_splits)](
         qkv, k_cache, v_cache, ws, slot_ids, positions, valid_from, slopes,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        head_dim**-0.5, heads, n_splits,
-        HEAD_DIM=head_dim, BLOCK_L=64, SPLIT_L=SPLIT_L, num_warps=4,
+        head_dim**-0.5, heads, n_splits, split_l,
+        HEAD_DIM=head_dim, BLOCK_L=64, num_warps=4,
     )  # fmt: skip
     _combine_kernel[(B, heads)](
         ws, out, out.stride(0), heads, n_splits,

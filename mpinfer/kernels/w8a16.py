@@ -17,10 +17,12 @@ is to keep enough loads in flight on every SM. Two things decide that:
   one-row loop, which Triton does not pipeline, may load the next tile before it converts and
   multiplies the current one (PREFETCH).
 
-Two inner loops, chosen by the autotuner per (rows bucket, N, K):
+Three inner loops, chosen by the autotuner per (rows bucket, N, K):
 - USE_DOT: a BLOCK_N x BLOCK_K int8 tile is converted in registers and fed to the tensor cores
   (`tl.dot`, rows padded to 16 by masking). For fp16 the autotuner may also pick the
   conversion by the bit trick in `_to_compute` (MAGIC), which wins on some shapes only.
+- USE_DOT and SWAP (several rows): the same, computing y^T = w @ x^T, so the converted weight
+  tile is the left operand, which the tensor cores read from registers.
 - not USE_DOT (one row only): products accumulate elementwise in a BLOCK_N x BLOCK_K fp32 tile
   and are reduced across K once, after the loop (no cross-thread reduction per step).
 """
@@ -44,13 +46,16 @@ def _configs() -> list[triton.Config]:
     # The families that won a shape in a sweep over 10 on the H200 (bench/results/kernels-*.json
     # holds the autotuner's timing of every candidate): tensor-core tiles for most shapes, the
     # elementwise loop for one row of some 176B-rank shapes.
-    for use_dot, bn, bk, w, s, pf in [
-        (1, 32, 256, 4, 3, 0), (1, 64, 256, 4, 3, 0), (1, 64, 128, 4, 3, 0),
-        (0, 16, 256, 4, 3, 0), (0, 8, 512, 4, 1, 1),
+    # SWAP (the weight tile as the dot's left operand) won at 32 rows only, by up to 13 %, and
+    # never placed at one row (bench/results/kernels-h200-swap.json): several rows only.
+    for use_dot, swap, bn, bk, w, s, pf in [
+        (1, 0, 32, 256, 4, 3, 0), (1, 0, 64, 256, 4, 3, 0), (1, 0, 64, 128, 4, 3, 0),
+        (1, 1, 64, 128, 4, 4, 0), (0, 0, 16, 256, 4, 3, 0), (0, 0, 8, 512, 4, 1, 1),
     ]:  # fmt: skip
         for split in (1, 2, 4, 8):
             for magic in (0, 1):
-                kw = dict(USE_DOT=use_dot, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pf, MAGIC=magic)
+                kw = dict(USE_DOT=use_dot, SWAP=swap, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pf,
+                          MAGIC=magic)  # fmt: skip
                 out.append(triton.Config(dict(kw, split_k=split), num_warps=w, num_stages=s))
     return out
 
@@ -69,7 +74,7 @@ def _prune(configs, named_args, **kwargs):
     keep = []
     for c in configs:
         kw = c.kwargs
-        if not kw["USE_DOT"] and M != 1:
+        if not kw["USE_DOT"] and M != 1 or kw["SWAP"] and M == 1:
             continue
         if kw["MAGIC"] and not (fp16 and MAGIC_ENABLED):  # the bit trick makes fp16 only
             continue
@@ -151,7 +156,7 @@ def _w8a16_kernel(
     M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, split_k, one_row,
     BLOCK_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
-    USE_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr, SWAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr, MAGIC: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -166,7 +171,34 @@ def _w8a16_kernel(
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
     cdt = x_ptr.dtype.element_ty
     tile = pid_m * tl.num_programs(0) + pid_n
-    if USE_DOT:
+    if USE_DOT and SWAP:
+        # y^T = w @ x^T: the converted weight tile is the dot's left operand, which the tensor
+        # cores take straight from registers (no shared-memory round trip of the converted
+        # tile), and the rows of x are the narrow side (16 suffice for one row).
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m[None, :] < M
+        xt_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # (BLOCK_K, BLOCK_M)
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k in range(k_lo, k_hi, BLOCK_K):
+            k_ok = (k + tl.arange(0, BLOCK_K))[:, None] < k_hi
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=n_ok, other=0)
+            else:
+                kw_ok = (k + tl.arange(0, BLOCK_K))[None, :] < k_hi
+                w = tl.load(w_ptrs, mask=n_ok & kw_ok, other=0)
+            xt = tl.load(xt_ptrs, mask=m_ok & k_ok, other=0.0)
+            acc_t = tl.dot(_to_compute(w, cdt, MAGIC), xt, acc_t)  # (BLOCK_N, BLOCK_M)
+            xt_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        mask = (offs_n[:, None] < N) & m_ok
+        n_idx = offs_n[:, None] + 0 * offs_m[None, :]
+        _reduce_and_finish(
+            acc_t, mask, n_idx, offs_m[None, :] * stride_ym + offs_n[:, None],
+            offs_m[None, :] * stride_rm + offs_n[:, None], offs_m[None, :] * N + offs_n[:, None],
+            tile, pid_k, split_k, M * N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
+            HAS_BIAS, ACT, HAS_RES,
+        )  # fmt: skip
+    elif USE_DOT:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = offs_m[:, None] < M
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
