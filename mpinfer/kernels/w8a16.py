@@ -46,8 +46,9 @@ def _configs() -> list[triton.Config]:
     # The families that won a shape in a sweep over 10 on the H200 (bench/results/kernels-*.json
     # holds the autotuner's timing of every candidate): tensor-core tiles for most shapes, the
     # elementwise loop for one row of some 176B-rank shapes.
-    # SWAP (the weight tile as the dot's left operand) won at 32 rows only, by up to 13 %, and
-    # never placed at one row (bench/results/kernels-h200-swap.json): several rows only.
+    # SWAP (the weight tile as the dot's left operand) wins some 8- and 32-row shapes (4 of 20
+    # by 4-11 % in the autotuner's timings in bench/results/kernels-h200.json) and never placed
+    # in a one-row sweep: offered for several rows only.
     for use_dot, swap, bn, bk, w, s, pf in [
         (1, 0, 32, 256, 4, 3, 0), (1, 0, 64, 256, 4, 3, 0), (1, 0, 64, 128, 4, 3, 0),
         (1, 1, 64, 128, 4, 4, 0), (0, 0, 16, 256, 4, 3, 0), (0, 0, 8, 512, 4, 1, 1),
