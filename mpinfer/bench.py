@@ -346,6 +346,13 @@ def simulate_tp(tp_size: int, bw: float, dtype: str = "fp16") -> dict:
     }
 
 
+def md_table(header: list[str], rows: list[list]) -> str:
+    """A markdown table: the header cells, then one line per row of already formatted cells."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
 def save_result(result: dict, out: str, table: str) -> None:
     """Every benchmark's ending: the JSON at `out`, the markdown table beside it, the table on
     stdout."""
@@ -366,21 +373,21 @@ def machine() -> dict:
 
 def markdown(result: dict) -> str:
     c = result["ceilings"]
+    header = ["row", "weights GB", "floor ms", "decode ms b=1", "b=8", "b=32", "b=1 / floor",
+              "prefill 512 ms", "prefill 2048 ms", "2048 TFLOP/s", "peak GB"]  # fmt: skip
+    rows = []
+    for r in result["rows"]:
+        d, p = r["decode_ms"], r["prefill_ms"]
+        rows.append([r["row"], f"{r['weight_GB']:.2f}", f"{r['floor_ms']:.2f}", f"{d[1]:.2f}",
+                     f"{d[8]:.2f}", f"{d[32]:.2f}", f"{d[1] / r['floor_ms']:.2f}", f"{p[512]:.1f}",
+                     f"{p[2048]:.1f}", f"{r['prefill_TFLOPs'][2048]:.0f}",
+                     f"{r['peak_GB']:.1f}"])  # fmt: skip
     lines = [
         f"{result['machine'].get('gpu', 'cpu')}: copy {c['copy_bandwidth_GBps'] / 1e3:.2f} TB/s, "
         f"bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s; shape {result['shape']}, context 512",
         "",
-        "| row | weights GB | floor ms | decode ms b=1 | b=8 | b=32 | b=1 / floor | prefill 512 ms "
-        "| prefill 2048 ms | 2048 TFLOP/s | peak GB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        md_table(header, rows),
     ]
-    for r in result["rows"]:
-        d, p = r["decode_ms"], r["prefill_ms"]
-        lines.append(
-            f"| {r['row']} | {r['weight_GB']:.2f} | {r['floor_ms']:.2f} | {d[1]:.2f} | {d[8]:.2f} "
-            f"| {d[32]:.2f} | {d[1] / r['floor_ms']:.2f} | {p[512]:.1f} | {p[2048]:.1f} "
-            f"| {r['prefill_TFLOPs'][2048]:.0f} | {r['peak_GB']:.1f} |"
-        )
     for s in result.get("simulate_tp") or []:
         d = s["decode_ms"]
         lines += [

@@ -108,22 +108,20 @@ def bench_shape(name, N, K, epilogue, M, dtype, l2_bytes) -> dict:
 
 
 def markdown(result: dict) -> str:
+    from .bench import md_table
+
     bw = result["copy_bandwidth_GBps"]
-    lines = [
+    header = ["shape", "N x K", "rows", "dtype", "int8 us", "int8 GB/s", "% of copy", "fp16 us",
+              "fp16 GB/s", "int8 speed-up", "config"]  # fmt: skip
+    rows = [[r["shape"], f"{r['N']} x {r['K']}", r["M"], r["dtype"], f"{r['int8_us']:.1f}",
+             f"{r['int8_GBps']:.0f}", f"{100 * r['int8_GBps'] / bw:.0f}", f"{r['fp16_us']:.1f}",
+             f"{r['fp16_GBps']:.0f}", f"{r['fp16_us'] / r['int8_us']:.2f}", r["config"]]
+            for r in result["rows"]]  # fmt: skip
+    return (
         f"{result['gpu']}: copy {bw / 1e3:.2f} TB/s. W8A16 decode matmul (fused epilogue) vs "
-        "cuBLAS fp16 (+ separate epilogue ops), each in a CUDA graph, weights from HBM",
-        "",
-        "| shape | N x K | rows | dtype | int8 us | int8 GB/s | % of copy | fp16 us | fp16 GB/s "
-        "| int8 speed-up | config |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['shape']} | {r['N']} x {r['K']} | {r['M']} | {r['dtype']} | {r['int8_us']:.1f} "
-            f"| {r['int8_GBps']:.0f} | {100 * r['int8_GBps'] / bw:.0f} | {r['fp16_us']:.1f} "
-            f"| {r['fp16_GBps']:.0f} | {r['fp16_us'] / r['int8_us']:.2f} | {r['config']} |"
-        )
-    return "\n".join(lines)
+        "cuBLAS fp16 (+ separate epilogue ops), each in a CUDA graph, weights from HBM\n\n"
+        + md_table(header, rows)
+    )
 
 
 def main(argv: list[str]) -> int:

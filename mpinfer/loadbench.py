@@ -147,27 +147,27 @@ def run_load(a) -> dict:
 
 
 def load_table(result: dict) -> str:
-    lines = [
-        "| ckpt GB | tp | largest slice MiB | shard s | shard peak MiB | start HF s | start "
-        "sharded s | rank 0 peak-final MiB (HF / sharded) | other ranks peak-final MiB (HF / "
-        "sharded) | target r0 / others MiB | transformers peak MiB, s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    from .bench import md_table
+
+    def over(ranks):  # the largest peak-over-final of these ranks' host RAM
+        return max(k["peak"] - k["final"] for k in ranks) if ranks else 0
+
+    header = ["ckpt GB", "tp", "largest slice MiB", "shard s", "shard peak MiB", "start HF s",
+              "start sharded s", "rank 0 peak-final MiB (HF / sharded)",
+              "other ranks peak-final MiB (HF / sharded)", "target r0 / others MiB",
+              "transformers peak MiB, s"]  # fmt: skip
+    rows = []
     for r in result["rows"]:
         h, s, sl = r["rank0_path"], r["sharded_path"], r["largest_slice_MiB"]
-
-        def over(x, ranks):
-            return max(k["peak"] - k["final"] for k in ranks) if ranks else 0
-
-        lines.append(
-            f"| {r['checkpoint_GB']:.2f} | {r['tp']} | {sl:.0f} | {r['shard_s']:.1f} | "
-            f"{r['shard_peak_MiB']} | {h['process_s']:.1f} | {s['process_s']:.1f} | "
-            f"{over(0, h['ranks'][:1])} / {over(0, s['ranks'][:1])} | "
-            f"{over(0, h['ranks'][1:])} / {over(0, s['ranks'][1:])} | "
-            f"{3 * sl + 256:.0f} / {2 * sl + 256:.0f} | "
-            f"{r['transformers']['peak']:.0f}, {r['transformers']['load_s']:.1f} |"
-        )
-    return "\n".join(lines)
+        rows.append([
+            f"{r['checkpoint_GB']:.2f}", r["tp"], f"{sl:.0f}", f"{r['shard_s']:.1f}",
+            r["shard_peak_MiB"], f"{h['process_s']:.1f}", f"{s['process_s']:.1f}",
+            f"{over(h['ranks'][:1])} / {over(s['ranks'][:1])}",
+            f"{over(h['ranks'][1:])} / {over(s['ranks'][1:])}",
+            f"{3 * sl + 256:.0f} / {2 * sl + 256:.0f}",
+            f"{r['transformers']['peak']:.0f}, {r['transformers']['load_s']:.1f}",
+        ])  # fmt: skip
+    return md_table(header, rows)
 
 
 def run_engine(a) -> dict:
@@ -223,17 +223,15 @@ def run_engine(a) -> dict:
 
 
 def engine_table(result: dict) -> str:
-    lines = [
-        "| model | concurrent requests | batched tokens/s | one after another tokens/s | "
-        "speed-up |",
-        "|---|---|---|---|---|",
-    ]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['model']} | {r['concurrent']} | {r['batched_tok_s']:.0f} | "
-            f"{r['sequential_tok_s']:.0f} | {r['batched_tok_s'] / r['sequential_tok_s']:.2f}x |"
-        )
-    return "\n".join(lines)
+    from .bench import md_table
+
+    header = ["model", "concurrent requests", "batched tokens/s", "one after another tokens/s",
+              "speed-up"]  # fmt: skip
+    return md_table(header, [
+        [r["model"], r["concurrent"], f"{r['batched_tok_s']:.0f}", f"{r['sequential_tok_s']:.0f}",
+         f"{r['batched_tok_s'] / r['sequential_tok_s']:.2f}x"]
+        for r in result["rows"]
+    ])  # fmt: skip
 
 
 def run_serve(a) -> dict:
@@ -335,18 +333,15 @@ def run_serve(a) -> dict:
 
 
 def serve_table(result: dict) -> str:
-    lines = [
-        "| clients | requests | errors | requests/s | p50 ms | p99 ms | TTFT p50 ms | "
-        "TTFT p99 ms |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['clients']} | {r['requests']} | {r['errors']} | {r['req_s']:.1f} | "
-            f"{r['p50_ms']:.0f} | {r['p99_ms']:.0f} | {r['ttft_p50_ms']:.0f} | "
-            f"{r['ttft_p99_ms']:.0f} |"
-        )
-    return "\n".join(lines)
+    from .bench import md_table
+
+    header = ["clients", "requests", "errors", "requests/s", "p50 ms", "p99 ms", "TTFT p50 ms",
+              "TTFT p99 ms"]  # fmt: skip
+    return md_table(header, [
+        [r["clients"], r["requests"], r["errors"], f"{r['req_s']:.1f}", f"{r['p50_ms']:.0f}",
+         f"{r['p99_ms']:.0f}", f"{r['ttft_p50_ms']:.0f}", f"{r['ttft_p99_ms']:.0f}"]
+        for r in result["rows"]
+    ])  # fmt: skip
 
 
 def main(argv: list[str]) -> int:

@@ -296,18 +296,16 @@ def memory_check(label, shape_name, kind, config_path, tp_size) -> dict:
 
 
 def memory_check_table(checks: list[dict]) -> str:
-    lines = [
-        "| planner vs GPU | slots x max_seq_len | prefill | predicted GiB | measured GiB | error "
-        "| of which outside torch's allocator |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for m in checks:
-        lines.append(
-            f"| {m['case']} | {m['slots']} x {m['max_seq_len']} | {m['prefill_tokens']} "
-            f"| {m['predicted_GiB']:.2f} | {m['measured_GiB']:.2f} | {m['error_pct']:+.1f} % "
-            f"| {m['outside_allocator_GiB']:.2f} GiB |"
-        )
-    return "\n".join(lines)
+    from .bench import md_table
+
+    header = ["planner vs GPU", "slots x max_seq_len", "prefill", "predicted GiB", "measured GiB",
+              "error", "of which outside torch's allocator"]  # fmt: skip
+    return md_table(header, [
+        [m["case"], f"{m['slots']} x {m['max_seq_len']}", m["prefill_tokens"],
+         f"{m['predicted_GiB']:.2f}", f"{m['measured_GiB']:.2f}", f"{m['error_pct']:+.1f} %",
+         f"{m['outside_allocator_GiB']:.2f} GiB"]
+        for m in checks
+    ])  # fmt: skip
 
 
 def plan_main(argv: list[str]) -> int:
