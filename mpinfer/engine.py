@@ -29,6 +29,7 @@ import torch
 from .detok import TextStream
 from .dist import DistContext, broadcast_object
 from .generation import RowSampler, SamplingParams
+from .kernels import ROW_BUCKETS
 from .loader import LoadedModel
 from .model import KVCache
 
@@ -131,16 +132,16 @@ def execute(model, cache: KVCache, plan: Plan, device) -> tuple[torch.Tensor | N
 
 
 def allocate_cache(loaded: LoadedModel, slots: int, max_seq: int) -> KVCache:
-    """The KV cache, then one warm-up decode step per row bucket of the int8 kernels (1, 2-16,
-    17-32, 33-64 rows), so autotuning and compilation happen at start-up, not on the first
-    requests. Every rank calls this at the same point, so the steps' collectives pair up. The
-    steps write position 0 of the first slots; a request's prefill overwrites it before any read.
-    """
+    """The KV cache, then one warm-up decode step per row bucket of the int8 kernels
+    (kernels.ROW_BUCKETS: 1, 2-16, 17-32, 33-64 rows), so autotuning and compilation happen at
+    start-up, not on the first requests. Every rank calls this at the same point, so the steps'
+    collectives pair up. The steps write position 0 of the first slots; a request's prefill
+    overwrites it before any read."""
     cache = KVCache.allocate(
         loaded.shape, loaded.tp.tp_size, slots=slots, max_seq=max_seq,
         dtype=loaded.dtype, device=loaded.device,
     )  # fmt: skip
-    for rows in (1, 2, 17, 33):
+    for rows in [1] + [b + 1 for b in ROW_BUCKETS[:-1]]:  # each bucket's smallest row count
         if rows > slots:
             break
         ids = torch.zeros((rows, 1), dtype=torch.long, device=loaded.device)

@@ -167,9 +167,14 @@ def test_decode_graph_equals_eager_steps(tmp_path):
         token = eager.argmax(-1, keepdim=True)
 
 
+@pytest.mark.parametrize("split_l", [None, 128, 192])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_fused_decode_attention_matches_eager_model(dtype):
+def test_fused_decode_attention_matches_eager_model(dtype, split_l, monkeypatch):
+    """The fused decode attention against the eager model, with the split length its policy
+    picks here (64) and forced longer ones: several 64-key tiles per program, the last split
+    ragged, so a large batch's long programs are checked on a small batch."""
     from mpinfer.bench import randomize_model
+    from mpinfer.kernels import attention
     from mpinfer.layers import TPGroup
     from mpinfer.model import BloomModel, KVCache
     from mpinfer.plan import BloomShape
@@ -179,10 +184,12 @@ def test_fused_decode_attention_matches_eager_model(dtype):
     model = BloomModel(shape, TPGroup(0, 1), method=Int8Method(), dtype=dtype)
     model = model.to_empty(device="cuda")
     randomize_model(model, seed=1)
+    if split_l is not None:
+        monkeypatch.setattr(attention, "attention_split_length", lambda *_: split_l)
     B = 3
     slots = torch.tensor([2, 0, 5], device="cuda")
-    lens = [37, 5, 90]
-    caches = [KVCache.allocate(shape, 1, slots=6, max_seq=128, dtype=dtype, device="cuda")
+    lens = [37, 5, 200]
+    caches = [KVCache.allocate(shape, 1, slots=6, max_seq=256, dtype=dtype, device="cuda")
               for _ in range(2)]  # fmt: skip
     for b, n in enumerate(lens):  # prefill each row's history (eager path, T > 1)
         ids = torch.randint(4, 3000, (1, n), device="cuda")

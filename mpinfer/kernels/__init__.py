@@ -1,8 +1,8 @@
 """GPU kernels (Triton), imported only on CUDA. Each has a pure-torch reference in quant.py.
 
 `int8_linear(x, q, scale, bias)` is the W8A16 matmul `(x @ q^T) * scale + bias`:
-- few rows (decode, M <= DECODE_MAX_ROWS): Triton kernels that stream the int8 weight once and
-  convert it in registers: a GEMV for one row, tensor-core tiles for 2..64 rows; see w8a16.py.
+- few rows (decode, M <= DECODE_MAX_ROWS): one Triton kernel that streams the int8 weight once
+  and converts it in registers, autotuned per row bucket (ROW_BUCKETS); see w8a16.py.
 - many rows (prefill): the weight is dequantized into a compute-dtype temporary (one Triton
   pass, 1 byte read and 2 written per weight; dequant.py) and cuBLAS does the matmul; at 2048
   rows the pass costs a few percent of the matmul. Dequantizing first (not scaling the output)
@@ -11,12 +11,35 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from ..quant import epilogue
 
-DECODE_MAX_ROWS = 64
+# The W8A16 kernel's tuning buckets: one row, then row tiles of up to 16, 32 and 64 rows. Each
+# bucket is autotuned on its own; the engine warms each one up at start-up.
+ROW_BUCKETS = (1, 16, 32, 64)
+DECODE_MAX_ROWS = ROW_BUCKETS[-1]
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (kernels size their grids by it)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def attention_split_length(batch: int, heads: int, max_seq: int, sms: int) -> int:
+    """Keys per program of the decode attention (attention.py): short enough that batch x heads
+    x splits gives every SM about 8 programs (batch 1 with 14 or 32 heads still fills the GPU),
+    long enough that a large batch gets fewer, longer programs whose loads pipeline (a program's
+    first loads wait on three dependent reads: slot, position, cache row). A multiple of the
+    64-key tile; it depends only on the batch and the cache length, so a captured graph stays
+    valid."""
+    tiles = -(-max_seq // 64)
+    splits = max(1, min(tiles, -(-8 * sms // (batch * heads))))
+    return -(-tiles // splits) * 64
 
 
 def int8_linear(

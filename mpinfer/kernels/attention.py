@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import attention_split_length, sm_count
+
 
 @triton.jit
 def _decode_attention_kernel(
@@ -95,17 +97,6 @@ def _combine_kernel(ws_ptr, out_ptr, stride_out, n_heads, n_splits,
     tl.store(out_ptr + b * stride_out + h * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
 
 
-def split_length(batch: int, heads: int, max_seq: int, device) -> int:
-    """Keys per program: short enough that batch x heads x splits gives every SM about 8
-    programs (batch 1 with 14 or 32 heads still fills the GPU), long enough that a large batch
-    gets fewer, longer programs whose loads pipeline (a program's first loads wait on three
-    dependent reads: slot, position, cache row). A multiple of the 64-key tile; it depends only
-    on the batch and the cache length, so a captured graph stays valid."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    splits = max(1, min(triton.cdiv(max_seq, 64), triton.cdiv(8 * sms, batch * heads)))
-    return triton.cdiv(triton.cdiv(max_seq, splits), 64) * 64
-
-
 def decode_attention(
     qkv: torch.Tensor,
     k_cache: torch.Tensor,
@@ -118,7 +109,7 @@ def decode_attention(
     B = qkv.shape[0]
     heads, max_seq, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
-    split_l = split_length(B, heads, max_seq, qkv.device)
+    split_l = attention_split_length(B, heads, max_seq, sm_count(qkv.device.index))
     n_splits = triton.cdiv(max_seq, split_l)
     ws = torch.empty((B, heads, n_splits, head_dim + 2), dtype=torch.float32, device=qkv.device)
     out = torch.empty((B, heads * head_dim), dtype=qkv.dtype, device=qkv.device)

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import ROW_BUCKETS, sm_count
+
 # MPINFER_INT8_MAGIC=0 keeps the autotuner off the int8->fp16 bit trick (a diagnostic switch).
 MAGIC_ENABLED = os.environ.get("MPINFER_INT8_MAGIC", "1") != "0"
 WORKSPACE_BYTES = 16 << 20  # per device: the largest split-K partials a launch may write
@@ -61,16 +63,12 @@ def _configs() -> list[triton.Config]:
     return out
 
 
-def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _prune(configs, named_args, **kwargs):
     """Keep configs that are legal for this launch and give the GPU work to overlap: at least
     half an SM's worth of programs, no split shorter than one tile."""
     M, N, K = named_args["M"], named_args["N"], named_args["K"]
     block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
-    sms = _sm_count(named_args["x_ptr"].device)
+    sms = sm_count(named_args["x_ptr"].device.index)
     fp16 = named_args["x_ptr"].dtype == torch.float16
     keep = []
     for c in configs:
@@ -282,7 +280,7 @@ def w8a16_matmul(
         residual = residual.reshape(M, N)
         assert residual.stride(1) == 1
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+    block_m = next(b for b in ROW_BUCKETS[1:] if b >= M)  # the row tile of M's bucket
     m_tiles = triton.cdiv(M, block_m)
     ws, counters = _device_scratch(x.device)
 
