@@ -14,6 +14,7 @@ compares the planner's total with what the driver reports (`mpinfer bench gpu --
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import sys
 import threading
@@ -108,6 +109,11 @@ class MemoryPlan:
     def fits(self) -> bool:
         return self.slots >= 1
 
+    @property
+    def one_slot(self) -> int:
+        """Bytes per GPU for the weights, the workspace and one max_seq_len KV slot."""
+        return self.fixed + self.kv_bytes_per_token * self.max_seq_len
+
     def lines(self) -> list[str]:
         out = [f"{name:<28}{nbytes / GIB:8.2f} GiB" for name, nbytes in self.items.items()]
         out += [
@@ -131,11 +137,10 @@ def plan_memory(shape, cfg, *, tp_size: int, budget: int) -> MemoryPlan:
     items = {"weights (int8)": 0, "scales": 0, "embeddings and LM head": 0,
              "biases and norms": 0}  # fmt: skip
     largest = 0
+    dense_key = f"weights ({cfg.model.dtype})"
     for p in plans:
-        n = 1
-        for d in p.rank_shape(tp_size):
-            n *= d
-        rows = p.rank_shape(tp_size)[0]
+        rank_shape = p.rank_shape(tp_size)
+        n, rows = math.prod(rank_shape), rank_shape[0]
         if p.name.startswith("word_embeddings."):
             items["embeddings and LM head"] += n * (1 if p.quantize else dtype_bytes)
             items["scales"] += rows * 4 if p.quantize else 0
@@ -144,8 +149,7 @@ def plan_memory(shape, cfg, *, tp_size: int, budget: int) -> MemoryPlan:
             items["scales"] += rows * 4
             largest = max(largest, n)
         elif len(p.shape) == 2:  # quant = none: the block weights in the compute dtype
-            items["weights (" + cfg.model.dtype + ")"] = items.get(
-                "weights (" + cfg.model.dtype + ")", 0) + n * dtype_bytes  # fmt: skip
+            items[dense_key] = items.get(dense_key, 0) + n * dtype_bytes
         else:
             items["biases and norms"] += n * dtype_bytes
     if not quant:
@@ -193,9 +197,8 @@ def check_fits(shape, cfg, *, tp_size: int, device) -> MemoryPlan | None:
         return None
     plan = plan_memory(shape, cfg, tp_size=tp_size, budget=budget)
     if not plan.fits:
-        need = plan.fixed + plan.kv_bytes_per_token * plan.max_seq_len
         raise ValueError(
-            f"does not fit: needs {need / GIB:.2f} GiB per GPU (weights and workspace "
+            f"does not fit: needs {plan.one_slot / GIB:.2f} GiB per GPU (weights and workspace "
             f"{plan.fixed / GIB:.2f} GiB + one {plan.max_seq_len}-token KV slot), has "
             f"{budget / GIB:.2f} GiB; {suggest(shape, cfg, tp_size=tp_size, budget=budget)}"
         )
@@ -350,8 +353,7 @@ def plan_main(argv: list[str]) -> int:
           f"{shape.n_head} heads; tp={tp}, quant={quant}, dtype={cfg.model.dtype}")  # fmt: skip
     print("\n".join(plan.lines()))
     if not plan.fits:
-        need = plan.fixed + plan.kv_bytes_per_token * plan.max_seq_len
-        print(f"does not fit: needs {need / GIB:.2f} GiB per GPU, has {budget / GIB:.2f}; "
+        print(f"does not fit: needs {plan.one_slot / GIB:.2f} GiB per GPU, has {budget / GIB:.2f}; "
               f"{suggest(shape, cfg, tp_size=tp, budget=budget)}")  # fmt: skip
         return 1
     return 0
