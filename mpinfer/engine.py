@@ -162,7 +162,26 @@ def worker_loop(loaded: LoadedModel, ctx: DistContext, slots: int, max_seq: int)
             execute(loaded.model, cache, plan, loaded.device)
 
 
+def server_worker_loop(loaded: LoadedModel, ctx: DistContext, cfg) -> None:
+    """`worker_loop` with the cache a server config gives (what `Engine.from_config` builds on
+    rank 0; memory.kv_slots is a collective, so both sides call it at the same point)."""
+    from .memory import kv_slots
+
+    worker_loop(loaded, ctx, kv_slots(loaded, cfg, ctx), cfg.server.max_seq_len)
+
+
 class Engine:
+    @classmethod
+    def from_config(cls, loaded: LoadedModel, ctx: DistContext, tokenizer, cfg) -> Engine:
+        """Rank 0's engine as the server config describes it: its queue and prefill limits,
+        and as many KV slots as server.max_batch_slots asks for and the GPU holds."""
+        from .memory import kv_slots
+
+        s = cfg.server
+        return cls(loaded, ctx, tokenizer, slots=kv_slots(loaded, cfg, ctx),
+                   max_seq=s.max_seq_len, max_queue=s.max_queue,
+                   max_prefill_tokens=s.max_prefill_tokens)  # fmt: skip
+
     def __init__(
         self, loaded: LoadedModel, ctx: DistContext, tokenizer, *, slots: int, max_seq: int,
         max_queue: int = 128, max_prefill_tokens: int = 512, heartbeat_s: float = 1.0,

@@ -32,6 +32,7 @@ import threading
 import time
 from pathlib import Path
 
+from .cli import load_tokenizer, run_rank, sampling_params
 from .config import add_config_args, config_from_args
 from .generation import SamplingParams
 
@@ -314,12 +315,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _defaults(cfg) -> SamplingParams:
-    from .cli import sampling_params
-
-    return sampling_params(cfg)
-
-
 def repl_main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.url:
@@ -332,7 +327,7 @@ def repl_main(argv: list[str] | None = None) -> int:
             return 2
         term = Terminal(args.history)
         try:
-            return run_repl(HttpBackend(args.url, args.api_key), _defaults(cfg), term)
+            return run_repl(HttpBackend(args.url, args.api_key), sampling_params(cfg), term)
         finally:
             term.close()
     try:
@@ -340,32 +335,25 @@ def repl_main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from .cli import run_rank
-
     return run_rank(lambda ctx: _repl_rank(cfg, args, ctx), cfg)
 
 
 def _repl_rank(cfg, args, ctx) -> None:
-    from .cli import load_tokenizer
-    from .engine import Engine, worker_loop
+    from .engine import Engine, server_worker_loop
     from .loader import load_model
-    from .memory import kv_slots
 
-    s = cfg.server
     if not ctx.is_rank0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 owns Ctrl-C
-        loaded = load_model(cfg, ctx)
-        worker_loop(loaded, ctx, kv_slots(loaded, cfg, ctx), s.max_seq_len)
+        server_worker_loop(load_model(cfg, ctx), ctx, cfg)
         return
     loaded = load_model(cfg, ctx)
     tok = load_tokenizer(loaded.model_dir)
-    engine = Engine(loaded, ctx, tok, slots=kv_slots(loaded, cfg, ctx), max_seq=s.max_seq_len,
-                    max_queue=s.max_queue, max_prefill_tokens=s.max_prefill_tokens)  # fmt: skip
+    engine = Engine.from_config(loaded, ctx, tok, cfg)
     runner = threading.Thread(target=engine.run, name="engine", daemon=True)
     runner.start()
     term = Terminal(args.history)
     try:
-        code = run_repl(EngineBackend(engine, tok), _defaults(cfg), term)
+        code = run_repl(EngineBackend(engine, tok), sampling_params(cfg), term)
     finally:
         term.close()
         engine.stop()

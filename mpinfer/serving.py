@@ -71,17 +71,15 @@ def _serve(cfg, ctx) -> None:
     from pathlib import Path
 
     from .cli import load_tokenizer
-    from .engine import Engine, worker_loop
+    from .engine import Engine, server_worker_loop
     from .loader import load_model
-    from .memory import kv_slots
     from .server import State
 
     s = cfg.server
     if not ctx.is_rank0:
         for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 decides when to stop
             signal.signal(sig, lambda *_: log.info("signal ignored: rank 0 drives shutdown"))
-        loaded = load_model(cfg, ctx)
-        worker_loop(loaded, ctx, kv_slots(loaded, cfg, ctx), s.max_seq_len)
+        server_worker_loop(load_model(cfg, ctx), ctx, cfg)
         return
     state = State(cfg, model_name=Path(cfg.model.path).name)
     http, thread = _start_http(state, cfg)
@@ -89,9 +87,7 @@ def _serve(cfg, ctx) -> None:
     try:
         loaded = load_model(cfg, ctx)
         state.tokenizer = load_tokenizer(loaded.model_dir)
-        engine = Engine(loaded, ctx, state.tokenizer, slots=kv_slots(loaded, cfg, ctx),
-                        max_seq=s.max_seq_len, max_queue=s.max_queue,
-                        max_prefill_tokens=s.max_prefill_tokens)  # fmt: skip
+        engine = Engine.from_config(loaded, ctx, state.tokenizer, cfg)
         state.engine = engine
         state.info = {
             "tp_size": loaded.tp.tp_size, "quant": cfg.quant.method,
