@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ SHAPES = {
 }
 
 
-def graph_time_us(make_call, copies: int, calls: int = 24) -> float:
+def graph_time_us(make_call, copies: int, calls: int = 24, reps: int = 10) -> float:
     """Microseconds per call of make_call(i) (i picks the weight copy), from a CUDA graph."""
     for i in range(copies):  # warm-up: autotuning and compilation happen outside the capture
         make_call(i)
@@ -43,7 +44,6 @@ def graph_time_us(make_call, copies: int, calls: int = 24) -> float:
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reps = 10
     start.record()
     for _ in range(reps):
         graph.replay()
@@ -53,38 +53,48 @@ def graph_time_us(make_call, copies: int, calls: int = 24) -> float:
 
 
 def config_text(cfg) -> str:
-    kw = cfg.kwargs
-    kind = ("swap" if kw.get("SWAP") else "dot") if kw.get("USE_DOT") else "fma"
-    return (f"{kind} n{kw['BLOCK_N']} k{kw['BLOCK_K']} split{kw['split_k']} pf{kw['PREFETCH']} "
-            f"magic{kw.get('MAGIC', 0)} w{cfg.num_warps} s{cfg.num_stages}")  # fmt: skip
+    from .kernels.tuning import name
+
+    return name(cfg.kwargs, cfg.num_warps, cfg.num_stages)
 
 
-def bench_shape(name, N, K, epilogue, M, dtype, l2_bytes) -> dict:
-    from .kernels import w8a16
-
+def _operands(name, N, K, epilogue, M, dtype, l2_bytes):
+    """Random operands of one matmul of the model, with enough weight copies to overflow L2."""
     g = torch.Generator(device="cuda").manual_seed(N + K + M)
-    w_bytes = N * K
-    copies = max(2, -(-3 * l2_bytes // w_bytes))
+    copies = max(2, -(-3 * l2_bytes // (N * K)))
     qs = [torch.randint(-127, 128, (N, K), dtype=torch.int8, device="cuda", generator=g)
           for _ in range(copies)]  # fmt: skip
     scale = torch.rand(N, device="cuda", generator=g) / 1000
     x = torch.randn(M, K, device="cuda", generator=g, dtype=dtype)
     bias = None if name.endswith("lm_head") else torch.randn(N, device="cuda", dtype=dtype)
     res = torch.randn(M, N, device="cuda", dtype=dtype) if epilogue == "residual" else None
+    return g, qs, scale, x, bias, res
+
+
+def bench_shape(name, N, K, epilogue, M, dtype, l2_bytes) -> dict:
+    from .kernels import tuning, w8a16
+
+    g, qs, scale, x, bias, res = _operands(name, N, K, epilogue, M, dtype, l2_bytes)
     gelu = epilogue == "gelu"
+    w_bytes = N * K
 
     def ours(i):
         return w8a16.w8a16_matmul(x, qs[i], scale, bias, gelu=gelu, residual=res)
 
-    ours(0)  # autotune
-    tuner = w8a16._w8a16_kernel
-    timings = sorted(
-        ((config_text(c), t[0] if isinstance(t, list) else t)
-         for c, t in getattr(tuner, "configs_timings", {}).items()),
-        key=lambda ct: ct[1],
-    )  # fmt: skip
-    best = config_text(tuner.best_config)
-    us = graph_time_us(ours, copies)
+    ours(0)  # the table's config, or autotuning
+    dt = str(dtype).removeprefix("torch.")
+    tuned = tuning.lookup(torch.cuda.get_device_name(), dt, M, N, K)
+    if tuned:
+        best, timings = f"{tuned} (table)", []
+    else:
+        tuner = w8a16._w8a16_kernel
+        timings = sorted(
+            ((config_text(c), t[0] if isinstance(t, list) else t)
+             for c, t in getattr(tuner, "configs_timings", {}).items()),
+            key=lambda ct: ct[1],
+        )  # fmt: skip
+        best = config_text(tuner.best_config)
+    us = graph_time_us(ours, len(qs))
     qs.clear()  # free the int8 copies before the fp16 ones
     ws = [torch.randn(N, K, device="cuda", generator=g, dtype=dtype) for _ in range(
         max(2, -(-3 * l2_bytes // (2 * w_bytes))))]  # fmt: skip
@@ -99,12 +109,161 @@ def bench_shape(name, N, K, epilogue, M, dtype, l2_bytes) -> dict:
     ws.clear()
     torch.cuda.empty_cache()
     return {
-        "shape": name, "N": N, "K": K, "M": M, "dtype": str(dtype).split(".")[-1],
+        "shape": name, "N": N, "K": K, "M": M, "dtype": dt,
         "epilogue": epilogue or "bias",
         "int8_us": us, "int8_GBps": (w_bytes + 4 * N) / us / 1e3,
         "fp16_us": us16, "fp16_GBps": 2 * w_bytes / us16 / 1e3,
         "config": best, "autotune_ms": timings,
     }  # fmt: skip
+
+
+def _compile(task) -> str | None:
+    """Worker process: compile one kernel variant by launching it once on empty operands (the
+    binary lands in Triton's on-disk cache, where the tuning process finds it). None, or why
+    the variant cannot run."""
+    name, N, K, epilogue, M, dtype, config = task
+    from .kernels import w8a16
+
+    dtype = getattr(torch, dtype)
+    q = torch.empty(N, K, dtype=torch.int8, device="cuda")
+    x = torch.zeros(M, K, dtype=dtype, device="cuda")
+    scale = torch.zeros(N, device="cuda")
+    bias = None if name.endswith("lm_head") else torch.zeros(N, dtype=dtype, device="cuda")
+    res = torch.zeros(M, N, dtype=dtype, device="cuda") if epilogue == "residual" else None
+    try:
+        w8a16.w8a16_matmul(x, q, scale, bias, gelu=epilogue == "gelu", residual=res,
+                           config=config)  # fmt: skip
+        torch.cuda.synchronize()
+    except Exception as e:  # e.g. a tile that needs more shared memory than the GPU has
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+def tune(keys: list[tuple], l2_bytes: int, table_path: str, vs_autotune: bool) -> dict:
+    """Time every legal sweep config (tuning.SWEEP_FAMILIES x SWEEP_SPLITS) of each launch in a
+    CUDA graph with the weight from HBM, re-time the five fastest and the autotuner's pick four
+    times more (interleaved), keep the lowest median; write the winners as the GPU's table.
+    keys: (shape name, M, dtype) triples. The table is rewritten after every key, so a run that
+    runs out of time keeps what it finished."""
+    import multiprocessing as mp
+    import os
+    import time
+
+    from .kernels import tuning
+
+    gpu = torch.cuda.get_device_name()
+    t0 = time.time()
+    plan = []
+    for shape, M, dtype in keys:
+        N, K, epi = SHAPES[shape]
+        dt = str(dtype).removeprefix("torch.")
+        cands = [c for c in tuning.names(tuning.SWEEP_FAMILIES, tuning.SWEEP_SPLITS,
+                                         fp16=dt == "float16")
+                 if not tuning.illegal(c, M, N, K, dt)]  # fmt: skip
+        plan.append((shape, N, K, epi, M, dtype, dt, cands))
+    # Compile every variant in parallel first (one per family, row count, dtype and epilogue:
+    # the split is a runtime argument, and N and K only matter through K % BLOCK_K).
+    variants = {}
+    for shape, N, K, epi, M, _, dt, cands in plan:
+        for c in cands:
+            variants.setdefault(_variant(shape, K, epi, M, dt, c), (shape, N, K, epi, M, dt, c))
+    workers = max(1, min(16, (os.cpu_count() or 2) - 1))
+    with mp.get_context("spawn").Pool(workers) as pool:
+        errors = pool.map(_compile, list(variants.values()), chunksize=1)
+    broken = {v: err for v, err in zip(variants, errors) if err}  # variant -> why
+    print(f"compiled {len(variants)} variants with {workers} processes in "
+          f"{time.time() - t0:.0f} s; {len(broken)} cannot run", flush=True)  # fmt: skip
+
+    table = {"gpu": gpu, "triton": __import__("triton").__version__, "torch": torch.__version__,
+             "measured_by": "mpinfer bench kernels --tune", "configs": {}}  # fmt: skip
+    if Path(table_path).exists():  # a partial re-tune keeps the table's other launches
+        old = json.loads(Path(table_path).read_text())
+        if old.get("gpu") == gpu:
+            table["configs"].update(old["configs"])
+    rows = []
+    for shape, N, K, epi, M, dtype, dt, cands in plan:
+        runnable = [c for c in cands if _variant(shape, K, epi, M, dt, c) not in broken]
+        row = _tune_launch(shape, N, K, epi, M, dtype, runnable, l2_bytes, vs_autotune)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if "_us" not in k or k == "autotune_us"}),
+              flush=True)  # fmt: skip
+        table["configs"][row["key"]] = row["config"]
+        Path(table_path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(table_path).with_suffix(".tmp")
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, table_path)
+    return {"gpu": gpu, "table": table_path, "seconds": time.time() - t0,
+            "broken": {str(k): v for k, v in broken.items()}, "rows": rows}  # fmt: skip
+
+
+def _variant(shape, K, epi, M, dt, config) -> tuple:
+    """What a compiled kernel depends on: everything but the split (a runtime argument); N and
+    K only through K % BLOCK_K (all the shapes' N and K are multiples of 16)."""
+    from .kernels import tuning
+
+    kw, w, st = tuning.parse(config)
+    family = (kw["USE_DOT"], kw["SWAP"], kw["BLOCK_N"], kw["BLOCK_K"], kw["PREFETCH"],
+              kw["MAGIC"], w, st, K % kw["BLOCK_K"] == 0)  # fmt: skip
+    return (dt, M, epi, shape.endswith("lm_head"), family)
+
+
+def _tune_launch(shape, N, K, epi, M, dtype, cands, l2_bytes, vs_autotune) -> dict:
+    import statistics
+
+    from .kernels import tuning, w8a16
+
+    _, qs, scale, x, bias, res = _operands(shape, N, K, epi, M, dtype, l2_bytes)
+    gelu = epi == "gelu"
+    calls = max(len(qs), min(24, int(2e3 / (N * K / 3e6))))  # about 2 ms of graph
+
+    def timed(config):
+        def call(i):
+            return w8a16.w8a16_matmul(x, qs[i], scale, bias, gelu=gelu, residual=res,
+                                      config=config)  # fmt: skip
+
+        return graph_time_us(call, len(qs), calls=calls, reps=3)
+
+    if not cands:
+        raise RuntimeError(f"no W8A16 config can run {shape} at {M} rows in {dtype}")
+    first = {c: timed(c) for c in cands}
+    picked = None
+    if vs_autotune:
+        w8a16.w8a16_matmul(x, qs[0], scale, bias, gelu=gelu, residual=res, config="autotune")
+        picked = config_text(w8a16._w8a16_kernel.best_config)
+    leaders = sorted(first, key=first.get)[:5]
+    if picked and picked not in leaders:
+        leaders.append(picked)
+    again = {c: [first[c] if c in first else timed(c)] for c in leaders}
+    for _ in range(4):  # interleaved, so a slow spell of the GPU hits every leader alike
+        for c in leaders:
+            again[c].append(timed(c))
+    final = {c: statistics.median(v) for c, v in again.items()}
+    best = min(final, key=final.get)
+    dt = str(dtype).removeprefix("torch.")
+    qs.clear()
+    torch.cuda.empty_cache()
+    return {"key": tuning.key(dt, M, N, K), "shape": shape, "N": N, "K": K, "M": M, "dtype": dt,
+            "config": best, "us": final[best], "GBps": (N * K + 4 * N) / final[best] / 1e3,
+            "autotune_config": picked, "autotune_us": final.get(picked),
+            "leaders_us": again,
+            "candidates_us": sorted(first.items(), key=lambda cu: cu[1])}  # fmt: skip
+
+
+def tune_markdown(result: dict) -> str:
+    from .bench import md_table
+
+    header = ["shape", "rows", "dtype", "table config", "us", "GB/s", "autotuner's pick", "us",
+              "gain"]  # fmt: skip
+    rows = [[r["shape"], r["M"], r["dtype"], r["config"], f"{r['us']:.1f}", f"{r['GBps']:.0f}",
+             r["autotune_config"] or "-",
+             f"{r['autotune_us']:.1f}" if r["autotune_us"] else "-",
+             f"{r['autotune_us'] / r['us']:.2f}x" if r["autotune_us"] else "-"]
+            for r in result["rows"]]  # fmt: skip
+    return (
+        f"{result['gpu']}: the tuned table ({result['table']}) against the autotuner's pick, "
+        "both timed in a CUDA graph with weights from HBM (median of 5)\n\n"
+        + md_table(header, rows)
+    )
 
 
 def markdown(result: dict) -> str:
@@ -131,18 +290,31 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rows", default="1,8,32")
     p.add_argument("--bf16-rows", default="1", help="rows also measured in bf16 ('' for none)")
     p.add_argument("--out", default="bench/results/kernels.json")
+    p.add_argument("--tune", metavar="TABLE", help="sweep every config of each launch and write "
+                   "the winners as this GPU's table (mpinfer/kernels/tuned/<gpu>.json to ship "
+                   "it) instead of the comparison with cuBLAS")  # fmt: skip
+    p.add_argument("--vs-autotune", action="store_true",
+                   help="with --tune: also time the autotuner's pick of each launch")  # fmt: skip
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: `mpinfer bench kernels` needs a CUDA GPU")
         return 2
     from .bench import machine, measure_ceilings, save_result
 
-    ceil = measure_ceilings()
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 64 << 20)
     rows = []
     runs = [(int(m), torch.float16) for m in a.rows.split(",") if m]
     runs += [(int(m), torch.bfloat16) for m in a.bf16_rows.split(",") if m]
+    if a.tune:
+        for name in a.shapes.split(","):
+            if name not in SHAPES:
+                p.error(f"unknown shape {name!r}; known: {list(SHAPES)}")
+        keys = [(name, M, dt) for M, dt in runs for name in a.shapes.split(",")]
+        result = {"machine": machine(), **tune(keys, l2, a.tune, a.vs_autotune)}
+        save_result(result, a.out, tune_markdown(result))
+        return 0
+    ceil = measure_ceilings()
     for name in a.shapes.split(","):
         N, K, epi = SHAPES[name]
         for M, dtype in runs:

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (the device tool's $OUT collects
-# the results):  bash scripts/gpu_check.sh [smoke|quick|kernels|full]
+# the results):  bash scripts/gpu_check.sh [smoke|quick|kernels|full|tune]
 # Installs carried wheels (bitsandbytes, pytest) into /tmp/site, runs the benchmarks, then the
 # GPU tests (after the benchmarks, so they reuse the kernels the benchmarks compiled; a run's
 # numbers count only if its tests pass), then the per-shape matmul table as far as time allows.
 # smoke = the bloom-560m shape; quick = mpinfer's int8 rows of the bloom-7b1 shape and the
 # simulated tp-8 rank; kernels = the matmul table only; full = every row of the bloom-7b1
-# shape, the simulated tp-8 rank and (unless NO_MEMORY=1) the memory planner against the GPU.
+# shape, the simulated tp-8 rank and (unless NO_MEMORY=1) the memory planner against the GPU;
+# tune = sweep the W8A16 configs of every matmul shape of both models at 1, 8, 32 and 64 rows
+# into this GPU's table (mpinfer/kernels/tuned/<gpu>.json, copied to $OUT to ship), then the
+# GPU tests, which run on the new table.
 # Every stage has a time limit, so one that hangs still leaves the others' results under $OUT.
 set -uo pipefail
 mode=${1:-full}
@@ -28,6 +31,13 @@ bench() {  # bench gpu with the given arguments, its log in $OUT/gpu.log
 memory=--memory
 [ "${NO_MEMORY:-0}" = 1 ] && memory=
 case "$mode" in
+tune) table=mpinfer/kernels/tuned/$(python3 -c "import torch; from mpinfer.kernels.tuning \
+          import slug; print(slug(torch.cuda.get_device_name()))").json
+      timeout "$(($(left) - ${TESTS_TIME:-230}))" python3 -m mpinfer.cli bench kernels \
+          --tune "$table" --rows 1,8,32,64 --bf16-rows 1,8,32,64 --vs-autotune \
+          --out "$OUT/kernels-h200-tune.json" > "$OUT/tune.log" 2>&1
+      echo "tune: exit $? at ${SECONDS}s"; grep -v '^{' "$OUT/tune.log" | tail -90
+      cp "$table" "$OUT/" ;;
 smoke) bench --shape bloom-560m --out "$OUT/gpu-smoke.json" ;;
 quick) bench --shape bloom-7b1 --rows mpinfer-int8,mpinfer-int8-bf16 --simulate-tp 8 \
            --out "$OUT/gpu-quick.json" ;;
@@ -38,7 +48,7 @@ timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu
 echo "GPU tests: exit $? (124: timed out)"
 tail -15 "$OUT/gpu-tests.txt"
 echo "tests done at ${SECONDS}s"
-if [ "$mode" = kernels ] || [ "$(left)" -gt 60 ]; then
+if [ "$mode" = kernels ] || { [ "$mode" != tune ] && [ "$(left)" -gt 60 ]; }; then
     timeout "$(left)" python3 -m mpinfer.cli bench kernels --rows "${KERNEL_ROWS:-1,8,32}" \
         --out "$OUT/kernels-h200.json" > "$OUT/kernels.log" 2>&1
     tail -45 "$OUT/kernels.log"

@@ -80,23 +80,20 @@ def test_one_row_tuning_is_never_reused_for_several_rows():
 
 
 def _families():
-    from mpinfer.kernels.w8a16 import _configs
+    """(meta-parameters, num_warps, num_stages) of every kernel variant a tuned table or the
+    autotuner may pick (the sweep's families include the autotuner's)."""
+    from mpinfer.kernels import tuning
 
-    seen = {}
-    for c in _configs():
-        kw = dict(c.kwargs)
-        kw.pop("split_k")
-        seen.setdefault((tuple(sorted(kw.items())), c.num_warps, c.num_stages), c)
-    return list(seen.values())
+    return [tuning.parse(n) for n in tuning.names(tuning.SWEEP_FAMILIES, (1,), fp16=True)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_every_config_family_split_k(dtype):
-    """Every kernel variant the autotuner may pick, with 1 and with 3 K-splits (an uneven split,
-    one of them shorter), on a shape with a ragged edge in N and K, at 1, 7 and 20 rows (two
-    row tiles): it matches the reference and leaves every tile counter at zero for the next
-    launch. The autotuner only ever runs the winner, so without this a broken variant could
-    wait for the one GPU it wins on."""
+    """Every kernel variant a table or the autotuner may pick, with 1 and with 3 K-splits (an
+    uneven split, one of them shorter), on a shape with a ragged edge in N and K, at 1, 7 and 20
+    rows (two row tiles): it matches the reference and leaves every tile counter at zero for the
+    next launch. Tuning only ever runs the winner, so without this a broken variant could wait
+    for the one GPU it wins on."""
     import triton
 
     from mpinfer.kernels import w8a16
@@ -108,8 +105,7 @@ def test_every_config_family_split_k(dtype):
     q, scale = quantize_rows(torch.randn(N, K, device="cuda", generator=g))
     bias = torch.randn(N, device="cuda", generator=g, dtype=dtype)
     failures = []
-    for c in _families():
-        kw = c.kwargs
+    for kw, num_warps, num_stages in _families():
         if kw["MAGIC"] and dtype != torch.float16:
             continue
         for M in (1, 7, 20) if kw["USE_DOT"] else (1,):
@@ -126,11 +122,11 @@ def test_every_config_family_split_k(dtype):
                     MAGIC=kw["MAGIC"], USE_DOT=kw["USE_DOT"], SWAP=kw["SWAP"],
                     BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"],
                     PREFETCH=kw["PREFETCH"], EVEN_K=K % kw["BLOCK_K"] == 0,
-                    num_warps=c.num_warps, num_stages=c.num_stages,
+                    num_warps=num_warps, num_stages=num_stages,
                 )  # fmt: skip
                 err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
                 if not err < 1e-2 or counters.any():
-                    failures.append((kw, c.num_warps, c.num_stages, M, split, err))
+                    failures.append((kw, num_warps, num_stages, M, split, err))
                 counters.zero_()
     assert not failures, failures
 

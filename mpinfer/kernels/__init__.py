@@ -2,7 +2,8 @@
 
 `int8_linear(x, q, scale, bias)` is the W8A16 matmul `(x @ q^T) * scale + bias`:
 - few rows (decode, M <= DECODE_MAX_ROWS): one Triton kernel that streams the int8 weight once
-  and converts it in registers, autotuned per row bucket (ROW_BUCKETS); see w8a16.py.
+  and converts it in registers, configured per row bucket (ROW_BUCKETS) by the GPU's tuned
+  table or else by the autotuner; see w8a16.py and tuning.py.
 - many rows (prefill): the weight is dequantized into a compute-dtype temporary (one Triton
   pass, 1 byte read and 2 written per weight; dequant.py) and cuBLAS does the matmul; at 2048
   rows the pass costs a few percent of the matmul. Dequantizing first (not scaling the output)
@@ -17,10 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from ..quant import epilogue
+from .tuning import ROW_BUCKETS
 
-# The W8A16 kernel's tuning buckets: one row, then row tiles of up to 16, 32 and 64 rows. Each
-# bucket is autotuned on its own; the engine warms each one up at start-up.
-ROW_BUCKETS = (1, 16, 32, 64)
 DECODE_MAX_ROWS = ROW_BUCKETS[-1]
 
 

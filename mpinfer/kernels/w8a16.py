@@ -17,7 +17,8 @@ is to keep enough loads in flight on every SM. Two things decide that:
   one-row loop, which Triton does not pipeline, may load the next tile before it converts and
   multiplies the current one (PREFETCH).
 
-Three inner loops, chosen by the autotuner per (rows bucket, N, K):
+Three inner loops; which one, with which tiles and split, is per (dtype, rows bucket, N, K): from
+the GPU's tuned table (tuning.py) where it has the launch, else from the autotuner:
 - USE_DOT: a BLOCK_N x BLOCK_K int8 tile is converted in registers and fed to the tensor cores
   (`tl.dot`, rows padded to 16 by masking). For fp16 the autotuner may also pick the
   conversion by the bit trick in `_to_compute` (MAGIC), which wins on some shapes only.
@@ -29,37 +30,26 @@ Three inner loops, chosen by the autotuner per (rows bucket, N, K):
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from . import ROW_BUCKETS, sm_count
+from . import ROW_BUCKETS, sm_count, tuning
+from .tuning import COUNTERS, WORKSPACE_BYTES
 
 # MPINFER_INT8_MAGIC=0 keeps the autotuner off the int8->fp16 bit trick (a diagnostic switch).
 MAGIC_ENABLED = os.environ.get("MPINFER_INT8_MAGIC", "1") != "0"
-WORKSPACE_BYTES = 16 << 20  # per device: the largest split-K partials a launch may write
-COUNTERS = 1 << 15  # per device: one int32 per output tile
 
 
 def _configs() -> list[triton.Config]:
+    """The autotuner's candidates: tuning.AUTOTUNE_FAMILIES x AUTOTUNE_SPLITS x MAGIC."""
     out = []
-    # The families that won a shape in a sweep over 10 on the H200 (bench/results/kernels-*.json
-    # holds the autotuner's timing of every candidate): tensor-core tiles for most shapes, the
-    # elementwise loop for one row of some 176B-rank shapes.
-    # SWAP (the weight tile as the dot's left operand) wins some 8- and 32-row shapes (4 of 20
-    # by 4-11 % in the autotuner's timings in bench/results/kernels-h200.json) and never placed
-    # in a one-row sweep: offered for several rows only.
-    for use_dot, swap, bn, bk, w, s, pf in [
-        (1, 0, 32, 256, 4, 3, 0), (1, 0, 64, 256, 4, 3, 0), (1, 0, 64, 128, 4, 3, 0),
-        (1, 1, 64, 128, 4, 4, 0), (0, 0, 16, 256, 4, 3, 0), (0, 0, 8, 512, 4, 1, 1),
-    ]:  # fmt: skip
-        for split in (1, 2, 4, 8):
-            for magic in (0, 1):
-                kw = dict(USE_DOT=use_dot, SWAP=swap, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pf,
-                          MAGIC=magic)  # fmt: skip
-                out.append(triton.Config(dict(kw, split_k=split), num_warps=w, num_stages=s))
+    for text in tuning.names(tuning.AUTOTUNE_FAMILIES, tuning.AUTOTUNE_SPLITS, fp16=True):
+        kw, warps, stages = tuning.parse(text)
+        out.append(triton.Config(kw, num_warps=warps, num_stages=stages))
     return out
 
 
@@ -69,21 +59,16 @@ def _prune(configs, named_args, **kwargs):
     M, N, K = named_args["M"], named_args["N"], named_args["K"]
     block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
     sms = sm_count(named_args["x_ptr"].device.index)
-    fp16 = named_args["x_ptr"].dtype == torch.float16
+    dtype = str(named_args["x_ptr"].dtype).removeprefix("torch.")
     keep = []
     for c in configs:
         kw = c.kwargs
-        if not kw["USE_DOT"] and M != 1 or kw["SWAP"] and M == 1:
+        if kw["MAGIC"] and not MAGIC_ENABLED:
             continue
-        if kw["MAGIC"] and not (fp16 and MAGIC_ENABLED):  # the bit trick makes fp16 only
+        if tuning.illegal(tuning.name(kw, c.num_warps, c.num_stages), M, N, K, dtype):
             continue
-        split, bn, bk = kw["split_k"], kw["BLOCK_N"], kw["BLOCK_K"]
-        if split > 1 and split * M * N * 4 > WORKSPACE_BYTES:
-            continue
-        if bk * split > max(K, bk):
-            continue
-        programs = triton.cdiv(N, bn) * split * triton.cdiv(M, block_m)
-        if programs * 2 < sms and split < 8 or programs > 256 * sms:
+        programs = triton.cdiv(N, kw["BLOCK_N"]) * kw["split_k"] * triton.cdiv(M, block_m)
+        if programs * 2 < sms and kw["split_k"] < 8 or programs > 256 * sms:
             continue
         keep.append(c)
     return keep or configs[:1]
@@ -146,11 +131,9 @@ def _bench(fn, quantiles=None, **_):
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
-@triton.autotune(configs=_configs(), key=["BLOCK_M", "one_row", "N", "K"], do_bench=_bench,
-                 prune_configs_by={"early_config_prune": _prune})  # fmt: skip
 @triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
 @triton.jit(do_not_specialize=["split_k", "one_row"])
-def _w8a16_kernel(
+def _w8a16(
     x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, split_k, one_row,
     BLOCK_M: tl.constexpr,
@@ -248,19 +231,34 @@ def _w8a16_kernel(
         )  # fmt: skip
 
 
+# Launches the table has no config for: autotuned per (row bucket, N, K).
+_w8a16_kernel = triton.autotune(
+    configs=_configs(), key=["BLOCK_M", "one_row", "N", "K"], do_bench=_bench,
+    prune_configs_by={"early_config_prune": _prune},
+)(_w8a16)  # fmt: skip
+
 _scratch: dict = {}
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _device_scratch(device) -> tuple[torch.Tensor, torch.Tensor]:
     """(workspace fp32, tile counters int32) of this device, made once; the kernel leaves every
     counter at zero, so consecutive launches on a stream (and graph replays) share them."""
-    key = device.index if device.index is not None else torch.cuda.current_device()
+    key = _index(device)
     if key not in _scratch:
         _scratch[key] = (
             torch.empty(WORKSPACE_BYTES // 4, dtype=torch.float32, device=device),
             torch.zeros(COUNTERS, dtype=torch.int32, device=device),
         )
     return _scratch[key]
+
+
+@functools.cache
+def _gpu_name(device_index: int) -> str:
+    return torch.cuda.get_device_name(device_index)
 
 
 def w8a16_matmul(
@@ -271,7 +269,11 @@ def w8a16_matmul(
     *,
     gelu: bool = False,
     residual: torch.Tensor | None = None,
+    config: str | None = None,
 ) -> torch.Tensor:
+    """The fused W8A16 matmul with `config` (a tuning.py config name), else the tuned table's
+    config for this GPU and shape, else the autotuner's (config="autotune": the autotuner's
+    even where the table has the launch)."""
     M, K = x.shape
     N = q.shape[0]
     assert q.shape[1] == K and q.dtype == torch.int8 and q.is_contiguous()
@@ -283,6 +285,28 @@ def w8a16_matmul(
     block_m = next(b for b in ROW_BUCKETS[1:] if b >= M)  # the row tile of M's bucket
     m_tiles = triton.cdiv(M, block_m)
     ws, counters = _device_scratch(x.device)
+    dtype = str(x.dtype).removeprefix("torch.")
+    if config == "autotune":
+        config = None
+    elif config is None:
+        config = tuning.lookup(_gpu_name(_index(x.device)), dtype, M, N, K)
+    elif why := tuning.illegal(config, M, N, K, dtype):
+        raise ValueError(f"config {config!r} cannot run {M} x {K} by {N} ({dtype}): {why}")
+    args = (
+        x, q, scale, bias if bias is not None else scale,
+        residual if residual is not None else y, y, ws, counters,
+        M, N, K, x.stride(0), q.stride(0), y.stride(0),
+        residual.stride(0) if residual is not None else 0,
+    )  # fmt: skip
+    # The one-row loop (USE_DOT=0) is right for M == 1 only: one row is its own tuning key, apart
+    # from 2..16 rows, so a config tuned for one row is never reused for more.
+    flags = dict(one_row=int(M == 1), BLOCK_M=block_m, HAS_BIAS=bias is not None, ACT=gelu,
+                 HAS_RES=residual is not None)  # fmt: skip
+    if config is not None:
+        kw, warps, stages = tuning.parse(config)
+        grid = (triton.cdiv(N, kw["BLOCK_N"]), kw["split_k"], m_tiles if kw["USE_DOT"] else 1)
+        _w8a16[grid](*args, **flags, **kw, num_warps=warps, num_stages=stages)
+        return y
 
     def grid(meta):
         n_tiles = triton.cdiv(N, meta["BLOCK_N"])
@@ -290,14 +314,5 @@ def w8a16_matmul(
         assert meta["USE_DOT"] or M == 1, "the one-row loop picked for several rows"
         return (n_tiles, meta["split_k"], m_tiles if meta["USE_DOT"] else 1)
 
-    _w8a16_kernel[grid](
-        x, q, scale, bias if bias is not None else scale,
-        residual if residual is not None else y, y, ws, counters,
-        M, N, K, x.stride(0), q.stride(0), y.stride(0),
-        residual.stride(0) if residual is not None else 0,
-        # The one-row loop (USE_DOT=0) is right for M == 1 only: one row is its own tuning key,
-        # apart from 2..16 rows, so a config tuned for one row is never reused for more.
-        one_row=int(M == 1), BLOCK_M=block_m, HAS_BIAS=bias is not None, ACT=gelu,
-        HAS_RES=residual is not None,
-    )  # fmt: skip
+    _w8a16_kernel[grid](*args, **flags)
     return y

@@ -1,0 +1,132 @@
+"""The W8A16 kernel's configurations, by name, and the per-GPU tables of measured best ones.
+Free of Triton, so that CPU CI (which has none) checks every shipped table.
+
+A config's name is its loop and its Triton meta-parameters, e.g. "dot n64 k128 split4 pf0 magic0
+w4 s3": loop (dot: tensor cores; swap: tensor cores with the weight tile as the left operand;
+fma: the one-row elementwise loop), BLOCK_N, BLOCK_K, split-K, PREFETCH, MAGIC (the int8->fp16
+bit trick), num_warps, num_stages.
+
+Why tables: the autotuner times each candidate once per process with Triton's timer (one launch
+between L2 flushes), whose run-to-run spread (several microseconds on a 10-40 us kernel) is larger
+than the gap between the best few candidates, so every start-up picked differently, up to 30 %
+apart on a shape. `mpinfer bench kernels --tune` instead times every candidate as the model runs
+it, in a CUDA graph with the weight read from HBM, re-times the leaders, and writes the winners
+to `tuned/<gpu>.json`; a launch whose (dtype, row bucket, N, K) is in the table of the GPU it runs
+on uses that config, and any other launch is autotuned as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from pathlib import Path
+
+TABLE_DIR = Path(__file__).parent / "tuned"
+# The W8A16 kernel's tuning buckets: one row, then row tiles of up to 16, 32 and 64 rows. Each
+# bucket is tuned on its own; the engine warms each one up at start-up.
+ROW_BUCKETS = (1, 16, 32, 64)
+WORKSPACE_BYTES = 16 << 20  # per device: the largest split-K partials a launch may write
+COUNTERS = 1 << 15  # per device: one int32 per output tile
+
+# (loop, BLOCK_N, BLOCK_K, num_warps, num_stages, PREFETCH). The autotuner's families won a shape
+# in a sweep over 10 on the H200; SWAP is for several rows only, the fma loop for one row only.
+AUTOTUNE_FAMILIES = [
+    ("dot", 32, 256, 4, 3, 0), ("dot", 64, 256, 4, 3, 0), ("dot", 64, 128, 4, 3, 0),
+    ("swap", 64, 128, 4, 4, 0), ("fma", 16, 256, 4, 3, 0), ("fma", 8, 512, 4, 1, 1),
+]  # fmt: skip
+AUTOTUNE_SPLITS = (1, 2, 4, 8)
+# The sweep behind a table also tries wider, deeper and smaller tiles, and splits that are not
+# powers of two (programs = tiles x splits decides how evenly the last wave fills the GPU).
+SWEEP_FAMILIES = AUTOTUNE_FAMILIES + [
+    ("dot", 32, 128, 4, 4, 0), ("dot", 64, 128, 4, 5, 0), ("dot", 64, 256, 8, 3, 0),
+    ("dot", 128, 128, 8, 3, 0), ("swap", 64, 256, 4, 3, 0), ("fma", 16, 512, 4, 1, 1),
+]  # fmt: skip
+SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
+
+_NAME = re.compile(r"(dot|swap|fma) n(\d+) k(\d+) split(\d+) pf([01]) magic([01]) w(\d+) s(\d+)")
+
+
+@functools.cache
+def parse(name: str) -> tuple[dict, int, int]:
+    """(Triton meta-parameters, num_warps, num_stages) of a config name."""
+    m = _NAME.fullmatch(name)
+    if not m:
+        raise ValueError(f"not a W8A16 config name: {name!r} (e.g. 'dot n64 k128 split4 pf0 "
+                         "magic0 w4 s3')")  # fmt: skip
+    loop, bn, bk, split, pf, magic, w, s = m.groups()
+    kw = dict(USE_DOT=int(loop != "fma"), SWAP=int(loop == "swap"), BLOCK_N=int(bn),
+              BLOCK_K=int(bk), split_k=int(split), PREFETCH=int(pf), MAGIC=int(magic))  # fmt: skip
+    return kw, int(w), int(s)
+
+
+def name(kw: dict, num_warps: int, num_stages: int) -> str:
+    loop = ("swap" if kw.get("SWAP") else "dot") if kw["USE_DOT"] else "fma"
+    return (f"{loop} n{kw['BLOCK_N']} k{kw['BLOCK_K']} split{kw['split_k']} pf{kw['PREFETCH']} "
+            f"magic{kw.get('MAGIC', 0)} w{num_warps} s{num_stages}")  # fmt: skip
+
+
+def names(families, splits, fp16: bool) -> list[str]:
+    """Every config of these families and splits (the bit trick for fp16 only)."""
+    return [
+        f"{loop} n{bn} k{bk} split{split} pf{pf} magic{magic} w{w} s{s}"
+        for loop, bn, bk, w, s, pf in families
+        for split in splits
+        for magic in ((0, 1) if fp16 else (0,))
+    ]
+
+
+def row_bucket(rows: int) -> int:
+    """The tuning bucket of a launch with this many rows: 1, then the row tile (16, 32, 64)."""
+    return next(b for b in ROW_BUCKETS if b >= rows)
+
+
+def key(dtype: str, rows: int, N: int, K: int) -> str:
+    """A table key: 'float16 m16 12288x4096' (dtype, row bucket, out x in features)."""
+    return f"{dtype} m{row_bucket(rows)} {N}x{K}"
+
+
+def illegal(name_: str, rows: int, N: int, K: int, dtype: str) -> str | None:
+    """Why this config cannot run a launch of rows x K by N (None if it can)."""
+    kw, _, _ = parse(name_)
+    split, bn, bk = kw["split_k"], kw["BLOCK_N"], kw["BLOCK_K"]
+    if not kw["USE_DOT"] and rows != 1:
+        return "the fma loop computes one row"
+    if kw["SWAP"] and rows == 1:
+        return "swap is for several rows"
+    if kw["MAGIC"] and dtype != "float16":
+        return "the int8 bit trick makes fp16 only"
+    if split > 1 and split * rows * N * 4 > WORKSPACE_BYTES:
+        return f"split-K partials over the {WORKSPACE_BYTES >> 20} MiB workspace"
+    if bk * split > max(K, bk):
+        return "a split shorter than one K tile"
+    if -(-N // bn) > COUNTERS:
+        return "more output tiles than split-K counters"
+    return None
+
+
+def slug(gpu_name: str) -> str:
+    """The table file's name for a GPU: 'NVIDIA H200' -> 'nvidia-h200'."""
+    return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")
+
+
+@functools.cache
+def table(gpu_name: str) -> dict[str, str]:
+    """The shipped table of this GPU (key -> config name), {} when there is none or when
+    MPINFER_TUNED=0 (a diagnostic switch: everything autotuned)."""
+    path = TABLE_DIR / f"{slug(gpu_name)}.json"
+    if os.environ.get("MPINFER_TUNED", "1") == "0" or not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    if data.get("gpu") != gpu_name:
+        return {}
+    return dict(data["configs"])
+
+
+def lookup(gpu_name: str, dtype: str, rows: int, N: int, K: int) -> str | None:
+    """The table's config for this launch, if it has one that can run it."""
+    found = table(gpu_name).get(key(dtype, rows, N, K))
+    if found is None or illegal(found, rows, N, K, dtype):
+        return None
+    return found

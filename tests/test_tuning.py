@@ -1,0 +1,97 @@
+"""The W8A16 config names and the shipped per-GPU tables (kernels/tuning.py), on the CPU: every
+table entry must name a variant the GPU tests cover and be able to run the launch it is for."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from mpinfer.kernels import tuning
+
+
+def test_every_sweep_config_name_round_trips():
+    all_names = tuning.names(tuning.SWEEP_FAMILIES, tuning.SWEEP_SPLITS, fp16=True)
+    assert len(set(all_names)) == len(all_names)
+    for n in all_names:
+        kw, warps, stages = tuning.parse(n)
+        assert tuning.name(kw, warps, stages) == n
+    assert all("magic0" in n for n in tuning.names(tuning.SWEEP_FAMILIES, (1,), fp16=False))
+
+
+@pytest.mark.parametrize("bad", ["", "dot n64 k128", "mma n64 k128 split1 pf0 magic0 w4 s3",
+                                 "dot n64 k128 split1 pf0 magic0 w4 s3 extra"])  # fmt: skip
+def test_a_bad_config_name_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match="not a W8A16 config name"):
+        tuning.parse(bad)
+
+
+@pytest.mark.parametrize(
+    "config, rows, N, K, dtype, why",
+    [("fma n8 k512 split1 pf1 magic0 w4 s1", 2, 4096, 4096, "float16", "one row"),
+     ("swap n64 k128 split1 pf0 magic0 w4 s4", 1, 4096, 4096, "float16", "several rows"),
+     ("dot n64 k128 split1 pf0 magic1 w4 s3", 1, 4096, 4096, "bfloat16", "fp16 only"),
+     ("dot n64 k128 split2 pf0 magic0 w4 s3", 64, 250880, 4096, "float16", "workspace"),
+     ("dot n64 k256 split8 pf0 magic0 w4 s3", 1, 4096, 1792, "float16", "shorter than one"),
+     ("dot n64 k256 split4 pf0 magic0 w4 s3", 1, 4096, 1792, "float16", None),
+     ("fma n8 k512 split1 pf1 magic1 w4 s1", 1, 250880, 4096, "float16", None)],
+)  # fmt: skip
+def test_illegal_names_what_stops_a_config(config, rows, N, K, dtype, why):
+    got = tuning.illegal(config, rows, N, K, dtype)
+    assert (got is None) if why is None else (why in got)
+
+
+def test_keys_follow_the_row_buckets():
+    assert [tuning.row_bucket(r) for r in (1, 2, 16, 17, 32, 33, 64)] == [
+        1, 16, 16, 32, 32, 64, 64]  # fmt: skip
+    assert tuning.key("bfloat16", 8, 12288, 4096) == "bfloat16 m16 12288x4096"
+    with pytest.raises(StopIteration):
+        tuning.row_bucket(65)  # more rows than a decode launch has
+
+
+KEY = re.compile(r"(float16|bfloat16) m(\d+) (\d+)x(\d+)")
+
+
+def test_every_shipped_table_is_runnable_and_covered_by_the_gpu_tests():
+    tables = sorted(tuning.TABLE_DIR.glob("*.json"))
+    assert tables, f"no tuned table under {tuning.TABLE_DIR}"
+    families = {tuning.parse(n)[1:] + tuple(sorted(tuning.parse(n)[0].items()))
+                for n in tuning.names(tuning.SWEEP_FAMILIES, (1,), fp16=True)}  # fmt: skip
+    for path in tables:
+        data = json.loads(path.read_text())
+        assert path.stem == tuning.slug(data["gpu"]), path
+        assert data["configs"], path
+        for key, config in data["configs"].items():
+            m = KEY.fullmatch(key)
+            assert m, (path, key)
+            dtype, bucket, N, K = m[1], int(m[2]), int(m[3]), int(m[4])
+            assert bucket in tuning.ROW_BUCKETS, (path, key)
+            # legal at the bucket's largest row count is legal at every smaller one
+            assert tuning.illegal(config, bucket, N, K, dtype) is None, (path, key, config)
+            kw, warps, stages = tuning.parse(config)
+            family = (warps, stages) + tuple(sorted(dict(kw, split_k=1).items()))
+            assert family in families, (path, key, config)
+
+
+def test_lookup_uses_the_table_of_the_gpu_it_runs_on(tmp_path, monkeypatch):
+    table = {"gpu": "Some GPU 80GB", "configs": {
+        "float16 m1 4096x4096": "fma n8 k512 split1 pf1 magic1 w4 s1",
+        "float16 m16 4096x4096": "dot n64 k128 split4 pf0 magic1 w4 s3",
+        "bfloat16 m16 4096x4096": "dot n64 k128 split4 pf0 magic1 w4 s3",  # illegal: bf16 magic
+    }}  # fmt: skip
+    (tmp_path / "some-gpu-80gb.json").write_text(json.dumps(table))
+    monkeypatch.setattr(tuning, "TABLE_DIR", tmp_path)
+    tuning.table.cache_clear()
+    try:
+        assert tuning.lookup("Some GPU 80GB", "float16", 1, 4096, 4096) == table["configs"][
+            "float16 m1 4096x4096"]  # fmt: skip
+        assert tuning.lookup("Some GPU 80GB", "float16", 9, 4096, 4096).startswith("dot n64")
+        assert tuning.lookup("Some GPU 80GB", "float16", 17, 4096, 4096) is None  # not tuned
+        assert tuning.lookup("Some GPU 80GB", "bfloat16", 9, 4096, 4096) is None  # cannot run
+        assert tuning.lookup("Some GPU", "float16", 1, 4096, 4096) is None  # another GPU
+        monkeypatch.setenv("MPINFER_TUNED", "0")
+        tuning.table.cache_clear()
+        assert tuning.lookup("Some GPU 80GB", "float16", 1, 4096, 4096) is None
+    finally:
+        tuning.table.cache_clear()
