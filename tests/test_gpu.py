@@ -163,12 +163,13 @@ def test_decode_graph_equals_eager_steps(tmp_path):
         token = eager.argmax(-1, keepdim=True)
 
 
-@pytest.mark.parametrize("split_l", [None, 128, 192])
+@pytest.mark.parametrize("splits", [None, 1, 2])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_fused_decode_attention_matches_eager_model(dtype, split_l, monkeypatch):
-    """The fused decode attention against the eager model, with the split length its policy
-    picks here (64) and forced longer ones: several 64-key tiles per program, the last split
-    ragged, so a large batch's long programs are checked on a small batch."""
+def test_fused_decode_attention_matches_eager_model(dtype, splits, monkeypatch):
+    """The fused decode attention against the eager model, with the splits its policy picks
+    here (8: one per 32-key tile of the cache) and forced ones: a row's whole history in one
+    program (up to 6 tiles, the last ragged) or in two uneven ones, so a large batch's long
+    programs are checked on a small batch."""
     from mpinfer.bench import randomize_model
     from mpinfer.kernels import attention
     from mpinfer.layers import TPGroup
@@ -180,8 +181,8 @@ def test_fused_decode_attention_matches_eager_model(dtype, split_l, monkeypatch)
     model = BloomModel(shape, TPGroup(0, 1), method=Int8Method(), dtype=dtype)
     model = model.to_empty(device="cuda")
     randomize_model(model, seed=1)
-    if split_l is not None:
-        monkeypatch.setattr(attention, "attention_split_length", lambda *_: split_l)
+    if splits is not None:
+        monkeypatch.setattr(attention, "attention_splits", lambda *_: splits)
     B = 3
     slots = torch.tensor([2, 0, 5], device="cuda")
     lens = [37, 5, 200]

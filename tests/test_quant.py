@@ -71,29 +71,25 @@ def test_bnb_llm_int8_is_close_to_dense_with_outliers():
 
 
 @pytest.mark.parametrize("sms", [78, 132])
-def test_attention_split_length_covers_the_cache_and_fills_the_gpu(sms):
-    """The decode attention's keys per program (kernels.attention_split_length): a whole number
-    of 64-key tiles, splits that cover the cache with none empty, at least 4 programs per SM
-    while there are tiles to split (the goal is ~8; rounding to whole tiles may halve it), never
-    a tile longer than that goal needs, and longer programs, not more of them, as the batch
-    grows."""
-    from mpinfer.kernels import attention_split_length
+def test_attention_splits_fill_the_gpu_without_tiny_programs(sms):
+    """The decode attention's programs per row and head (kernels.attention_splits): about 8 per
+    SM across batch x heads, capped by the cache's 32-key tiles and by 32, never fewer splits
+    than that allows, and fewer (longer) splits, not more, as the batch grows."""
+    from mpinfer.kernels import attention_splits
 
     for heads in (14, 32, 112):
-        for max_seq in (1, 64, 65, 576, 2048, 4096):
-            tiles = -(-max_seq // 64)
-            previous = 0
+        for max_seq in (1, 64, 128, 129, 576, 2048, 4096):
+            cap = max(1, min(-(-max_seq // 32), 32))
+            previous = cap
             for batch in (1, 2, 5, 8, 32, 64):
-                split_l = attention_split_length(batch, heads, max_seq, sms)
-                splits = -(-max_seq // split_l)
-                assert split_l % 64 == 0 and splits * split_l >= max_seq
-                assert (splits - 1) * split_l < max_seq  # no split left empty
+                splits = attention_splits(batch, heads, max_seq, sms)
+                assert 1 <= splits <= cap, (batch, heads, max_seq)
                 programs = batch * heads * splits
-                assert programs >= min(batch * heads * tiles, 4 * sms), (batch, heads, max_seq)
-                # Never needlessly long: one tile shorter would make more than ~8 per SM.
-                if split_l > 64:
-                    assert batch * heads * -(-max_seq // (split_l - 64)) > 8 * sms
-                assert split_l >= previous
-                previous = split_l
-    assert attention_split_length(1, 32, 576, 132) == 64  # batch 1: one tile per program
-    assert attention_split_length(32, 32, 576, 132) == 320  # batch 32: two splits of five tiles
+                assert programs >= min(8 * sms, batch * heads * cap), (batch, heads, max_seq)
+                if splits > 1:  # never more than ~8 per SM needs
+                    assert batch * heads * (splits - 1) < 8 * sms
+                assert splits <= previous
+                previous = splits
+    assert attention_splits(1, 32, 2048, 132) == 32  # batch 1: capped at 32
+    assert attention_splits(32, 32, 2048, 132) == 2
+    assert attention_splits(1, 14, 576, 132) == 18  # capped by the cache's 18 tiles

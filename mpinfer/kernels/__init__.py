@@ -29,16 +29,14 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def attention_split_length(batch: int, heads: int, max_seq: int, sms: int) -> int:
-    """Keys per program of the decode attention (attention.py): short enough that batch x heads
-    x splits gives every SM about 8 programs (batch 1 with 14 or 32 heads still fills the GPU),
-    long enough that a large batch gets fewer, longer programs whose loads pipeline (a program's
-    first loads wait on three dependent reads: slot, position, cache row). A multiple of the
-    64-key tile; it depends only on the batch and the cache length, so a captured graph stays
-    valid."""
-    tiles = -(-max_seq // 64)
-    splits = max(1, min(tiles, -(-8 * sms // (batch * heads))))
-    return -(-tiles // splits) * 64
+def attention_splits(batch: int, heads: int, max_seq: int, sms: int) -> int:
+    """Programs per row and head of the decode attention (attention.py), which cuts each row's
+    history into this many equal runs of 32-key tiles at run time: enough that batch x heads x
+    splits gives every SM about 8 programs (batch 1 with 14 or 32 heads still fills the GPU),
+    but no more than the cache has tiles, nor than 32, past which a short history leaves most
+    programs empty and the merge grows (bench/results/attention-h200.md). It depends only on
+    the batch and the cache length, so a captured graph stays valid."""
+    return max(1, min(-(-8 * sms // (batch * heads)), -(-max_seq // 32), 32))
 
 
 def int8_linear(

@@ -8,9 +8,11 @@ attend over the slot's history, for one query token per row.
     slopes (heads_per_rank,) fp32            this rank's ALiBi slopes
     out (B, heads_per_rank * head_dim)       ready for the dense (row-parallel) layer
 
-Flash-decoding: program (b, h, s) streams split s of the slot's keys and values (split_l
-positions, in BLOCK_L tiles) with an online softmax in fp32, and a second kernel merges the
-splits; batch 1 with 32 heads still fills the GPU. The new token's key and value come straight
+Flash-decoding: program (b, h, s) streams split s of the row's keys and values (the history
+cut into n_splits equal runs of BLOCK_L-key tiles at run time) with an online softmax in fp32,
+and a second kernel merges the splits; batch 1 with 32 heads still fills the GPU. Tiles of 32
+keys with 2 warps per program beat 64 keys with 4 by 1.3-1.5x at every batch on the H200
+(bench/results/attention-h200.md). The new token's key and value come straight
 from qkv (no read-after-write of the cache inside a program). Two launches replace the
 view/unbind, two index_puts, the mask and bias build, SDPA and the transpose copy of the eager
 path (the reference: model.BloomAttention).
@@ -22,17 +24,19 @@ import torch
 import triton
 import triton.language as tl
 
-from . import attention_split_length, sm_count
+from . import attention_splits, sm_count
 
 
 @triton.jit
 def _decode_attention_kernel(
     qkv_ptr, k_ptr, v_ptr, ws_ptr, slot_ptr, pos_ptr, vf_ptr, slope_ptr,
-    stride_qkv, stride_cs, stride_ch, stride_cl, scale, n_heads, n_splits, split_l,
+    stride_qkv, stride_cs, stride_ch, stride_cl, scale, n_heads, n_splits,
     HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr,
 ):  # fmt: skip
-    """Program (b, h, s): keys [vf + s*split_l, ...) below pos, and (s == 0) the new token.
-    Writes its partial softmax state (max, sum, weighted values) to the workspace."""
+    """Program (b, h, s): split s of the keys [vf, pos) of row b, cut into n_splits equal runs
+    of whole BLOCK_L tiles at run time (the row's length is known only on the device, so a
+    captured graph serves every length), and (s == 0) the new token at pos. Writes its partial
+    softmax state (max, sum, weighted values) to the workspace."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -55,8 +59,9 @@ def _decode_attention_kernel(
         m = tl.sum(q * k_new.to(tl.float32)) * scale + slope * (pos - vf).to(tl.float32)
         denom = 1.0
         acc = v_new.to(tl.float32)
-    lo = vf + s * split_l
-    hi = tl.minimum(lo + split_l, pos)
+    per_split = tl.cdiv(tl.cdiv(pos - vf, n_splits), BLOCK_L) * BLOCK_L
+    lo = vf + s * per_split
+    hi = tl.minimum(lo + per_split, pos)
     offs = tl.arange(0, BLOCK_L)
     for start in tl.range(lo, hi, BLOCK_L):
         j = start + offs  # (BLOCK_L,) key positions
@@ -105,19 +110,26 @@ def decode_attention(
     positions: torch.Tensor,
     valid_from: torch.Tensor,
     slopes: torch.Tensor,
+    *,
+    n_splits: int | None = None,
+    block_l: int = 32,
+    num_warps: int = 2,
+    num_stages: int = 3,
 ) -> torch.Tensor:
+    """n_splits (programs per row and head) by default from the policy in
+    kernels.attention_splits; the keyword arguments are for benchmarks and tests."""
     B = qkv.shape[0]
     heads, max_seq, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
-    split_l = attention_split_length(B, heads, max_seq, sm_count(qkv.device.index))
-    n_splits = triton.cdiv(max_seq, split_l)
+    if n_splits is None:
+        n_splits = attention_splits(B, heads, max_seq, sm_count(qkv.device.index))
     ws = torch.empty((B, heads, n_splits, head_dim + 2), dtype=torch.float32, device=qkv.device)
     out = torch.empty((B, heads * head_dim), dtype=qkv.dtype, device=qkv.device)
     _decode_attention_kernel[(B, heads, n_splits)](
         qkv, k_cache, v_cache, ws, slot_ids, positions, valid_from, slopes,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        head_dim**-0.5, heads, n_splits, split_l,
-        HEAD_DIM=head_dim, BLOCK_L=64, num_warps=4,
+        head_dim**-0.5, heads, n_splits,
+        HEAD_DIM=head_dim, BLOCK_L=block_l, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _combine_kernel[(B, heads)](
         ws, out, out.stride(0), heads, n_splits,
