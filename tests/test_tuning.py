@@ -4,7 +4,6 @@ table entry must name a variant the GPU tests cover and be able to run the launc
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
@@ -50,9 +49,6 @@ def test_keys_follow_the_row_buckets():
         tuning.row_bucket(65)  # more rows than a decode launch has
 
 
-KEY = re.compile(r"(float16|bfloat16) m(\d+) (\d+)x(\d+)")
-
-
 def test_every_shipped_table_is_runnable_and_covered_by_the_gpu_tests():
     tables = sorted(tuning.TABLE_DIR.glob("*.json"))
     assert tables, f"no tuned table under {tuning.TABLE_DIR}"
@@ -63,7 +59,7 @@ def test_every_shipped_table_is_runnable_and_covered_by_the_gpu_tests():
         assert path.stem == tuning.slug(data["gpu"]), path
         assert data["configs"], path
         for key, config in data["configs"].items():
-            m = KEY.fullmatch(key)
+            m = tuning._KEY.fullmatch(key)
             assert m, (path, key)
             dtype, bucket, N, K = m[1], int(m[2]), int(m[3]), int(m[4])
             assert bucket in tuning.ROW_BUCKETS, (path, key)
@@ -93,5 +89,25 @@ def test_lookup_uses_the_table_of_the_gpu_it_runs_on(tmp_path, monkeypatch):
         monkeypatch.setenv("MPINFER_TUNED", "0")
         tuning.table.cache_clear()
         assert tuning.lookup("Some GPU 80GB", "float16", 1, 4096, 4096) is None
+    finally:
+        tuning.table.cache_clear()
+
+
+@pytest.mark.parametrize("text, what", [
+    ("{", "not a W8A16 config table"),
+    ('{"gpu": "Some GPU", "configs": {"float16 m8 4096x4096": "dot n64 k128 split1 pf0 magic0 '
+     'w4 s3"}}', "bad key 'float16 m8 4096x4096'"),
+    ('{"gpu": "Some GPU", "configs": {"float16 m1 4096x4096": "dot n64"}}',
+     "not a W8A16 config name: 'dot n64'"),
+    ('{"gpu": "Some GPU"}', "configs"),
+])  # fmt: skip
+def test_a_broken_table_is_an_error_naming_the_file(tmp_path, monkeypatch, text, what):
+    (tmp_path / "some-gpu.json").write_text(text)
+    monkeypatch.setattr(tuning, "TABLE_DIR", tmp_path)
+    tuning.table.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="some-gpu.json: not a W8A16 config table") as e:
+            tuning.lookup("Some GPU", "float16", 1, 4096, 4096)
+        assert what in str(e.value)
     finally:
         tuning.table.cache_clear()

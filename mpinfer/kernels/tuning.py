@@ -111,17 +111,30 @@ def slug(gpu_name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")
 
 
+_KEY = re.compile(r"(float16|bfloat16) m(\d+) (\d+)x(\d+)")
+
+
 @functools.cache
 def table(gpu_name: str) -> dict[str, str]:
     """The shipped table of this GPU (key -> config name), {} when there is none or when
-    MPINFER_TUNED=0 (a diagnostic switch: everything autotuned)."""
+    MPINFER_TUNED=0 (a diagnostic switch: everything autotuned). A table that does not parse is
+    an error naming the file and the entry, not a silent fall-back to autotuning."""
     path = TABLE_DIR / f"{slug(gpu_name)}.json"
     if os.environ.get("MPINFER_TUNED", "1") == "0" or not path.exists():
         return {}
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+        configs = dict(data["configs"])
+        for k, config in configs.items():
+            m = _KEY.fullmatch(k)
+            if not m or int(m[2]) not in ROW_BUCKETS:
+                raise ValueError(f"bad key {k!r} (e.g. 'float16 m16 12288x4096')")
+            parse(config)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a W8A16 config table: {e}") from None
     if data.get("gpu") != gpu_name:
         return {}
-    return dict(data["configs"])
+    return configs
 
 
 def lookup(gpu_name: str, dtype: str, rows: int, N: int, K: int) -> str | None:
