@@ -17,19 +17,58 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-# name: (N = out features, K = in features, fused epilogue as in the model)
-SHAPES = {
-    "7b1 qkv": (12288, 4096, ""),
-    "7b1 dense": (4096, 4096, "residual"),
-    "7b1 fc1": (16384, 4096, "gelu"),
-    "7b1 fc2": (4096, 16384, "residual"),
-    "7b1 lm_head": (250880, 4096, ""),
-    "176b/8 qkv": (5376, 14336, ""),
-    "176b/8 dense": (14336, 1792, "residual"),
-    "176b/8 fc1": (7168, 14336, "gelu"),
-    "176b/8 fc2": (14336, 7168, "residual"),
-    "176b/8 lm_head": (31360, 14336, ""),
+# The W8A16 matmuls of a BLOOM layer: checkpoint name -> (short name, epilogue fused into it)
+MATRICES = {
+    "self_attention.query_key_value": ("qkv", ""),
+    "self_attention.dense": ("dense", "residual"),
+    "mlp.dense_h_to_4h": ("fc1", "gelu"),
+    "mlp.dense_4h_to_h": ("fc2", "residual"),
 }
+DEFAULT_MODELS = "bloom-7b1,bloom-176b:8"
+
+
+def model_shapes(model: str, tp: int = 1) -> dict[str, tuple[int, int, str]]:
+    """The W8A16 launches of one tensor-parallel rank of a BLOOM, as the loader shards it:
+    name -> (N = out features, K = in features, fused epilogue), e.g. '176b/8 qkv' -> (5376,
+    14336, ''); the int8 LM head last. `model`: a shape of `mpinfer bench gpu` (bloom-560m,
+    bloom-7b1, bloom-176b) or a config.json (or the folder that holds one)."""
+    import dataclasses
+
+    from .bench import SHAPES as ARCHS
+    from .plan import BloomShape, plan_model
+
+    if model in ARCHS:
+        shape, label = BloomShape(**ARCHS[model]), model.removeprefix("bloom-")
+    else:
+        path = Path(model)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise ValueError(f"{model!r} is neither a known shape ({', '.join(ARCHS)}) nor a "
+                             "config.json or a folder holding one")  # fmt: skip
+        shape, label = BloomShape.from_config(json.loads(path.read_text())), path.parent.name
+    shape.check_tp(tp)
+    prefix = label if tp == 1 else f"{label}/{tp}"
+    out = {}
+    for plan in plan_model(dataclasses.replace(shape, n_layer=1), tp, quantize=True,
+                           quantize_embeddings=True):  # fmt: skip
+        matrix = plan.name.removeprefix("h.0.").removesuffix(".weight")
+        if matrix in MATRICES:
+            short, epilogue = MATRICES[matrix]
+            out[f"{prefix} {short}"] = (*plan.rank_shape(tp), epilogue)
+    out[f"{prefix} lm_head"] = (shape.vocab_per_rank(tp), shape.hidden_size, "")
+    return out
+
+
+def models_shapes(models: str) -> dict[str, tuple[int, int, str]]:
+    """model_shapes of a comma list of MODEL[:TP] (e.g. 'bloom-7b1,bloom-176b:8')."""
+    out = {}
+    for item in filter(None, models.split(",")):
+        model, _, tp = item.partition(":")
+        if tp and not (tp.isdigit() and int(tp) > 0):
+            raise ValueError(f"{item!r}: the tensor-parallel size after ':' must be a positive "
+                             "integer")  # fmt: skip
+        out.update(model_shapes(model, int(tp or 1)))
+    return out
 
 
 def graph_time_us(make_call, copies: int, calls: int = 24, reps: int = 10) -> float:
@@ -139,12 +178,13 @@ def _compile(task) -> str | None:
     return None
 
 
-def tune(keys: list[tuple], l2_bytes: int, table_path: str, vs_autotune: bool) -> dict:
+def tune(shapes: dict, keys: list, l2_bytes: int, table_path: str, vs_autotune: bool) -> dict:
     """Time every legal sweep config (tuning.SWEEP_FAMILIES x SWEEP_SPLITS) of each launch in a
     CUDA graph with the weight from HBM, re-time the five fastest and the autotuner's pick four
     times more (interleaved), keep the lowest median; write the winners as the GPU's table.
-    keys: (shape name, M, dtype) triples. The table is rewritten after every key, so a run that
-    runs out of time keeps what it finished."""
+    shapes: name -> (N, K, epilogue) as model_shapes gives; keys: (shape name, M, dtype)
+    triples. The table is rewritten after every key, so a run that runs out of time keeps what
+    it finished."""
     import multiprocessing as mp
     import os
     import time
@@ -155,7 +195,7 @@ def tune(keys: list[tuple], l2_bytes: int, table_path: str, vs_autotune: bool) -
     t0 = time.time()
     plan = []
     for shape, M, dtype in keys:
-        N, K, epi = SHAPES[shape]
+        N, K, epi = shapes[shape]
         dt = str(dtype).removeprefix("torch.")
         cands = [c for c in tuning.names(tuning.SWEEP_FAMILIES, tuning.SWEEP_SPLITS,
                                          fp16=dt == "float16")
@@ -371,7 +411,13 @@ def markdown(result: dict) -> str:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="mpinfer bench kernels", description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["kernels"])
-    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
+    p.add_argument("--models", default=DEFAULT_MODELS,
+                   help="comma list of MODEL[:TP] whose per-rank matmuls to run: bloom-560m, "
+                   "bloom-7b1, bloom-176b or a config.json (or its folder); TP 1 if not "
+                   "given")  # fmt: skip
+    p.add_argument("--shapes", default="",
+                   help="comma list of the models' matmuls to keep (e.g. '7b1 qkv,176b/8 fc1'); "
+                   "all by default")  # fmt: skip
     p.add_argument("--rows", default="1,8,32")
     p.add_argument("--bf16-rows", default="1", help="rows also measured in bf16 ('' for none)")
     p.add_argument("--out", default="bench/results/kernels.json")
@@ -383,6 +429,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--attention", action="store_true",
                    help="sweep the decode attention's tiles, warps, stages and splits")  # fmt: skip
     a = p.parse_args(argv)
+    try:
+        shapes = models_shapes(a.models)
+    except ValueError as e:
+        p.error(f"--models: {e}")
+    names = [n for n in a.shapes.split(",") if n] or list(shapes)
+    for name in names:
+        if name not in shapes:
+            p.error(f"--shapes: {name!r} is not a matmul of {a.models}; they are {list(shapes)}")
     if not torch.cuda.is_available():
         print("error: `mpinfer bench kernels` needs a CUDA GPU")
         return 2
@@ -399,16 +453,13 @@ def main(argv: list[str]) -> int:
         save_result(result, a.out, attention_markdown(result, ceil["copy_bandwidth_GBps"]))
         return 0
     if a.tune:
-        for name in a.shapes.split(","):
-            if name not in SHAPES:
-                p.error(f"unknown shape {name!r}; known: {list(SHAPES)}")
-        keys = [(name, M, dt) for M, dt in runs for name in a.shapes.split(",")]
-        result = {"machine": machine(), **tune(keys, l2, a.tune, a.vs_autotune)}
+        keys = [(name, M, dt) for M, dt in runs for name in names]
+        result = {"machine": machine(), **tune(shapes, keys, l2, a.tune, a.vs_autotune)}
         save_result(result, a.out, tune_markdown(result))
         return 0
     ceil = measure_ceilings()
-    for name in a.shapes.split(","):
-        N, K, epi = SHAPES[name]
+    for name in names:
+        N, K, epi = shapes[name]
         for M, dtype in runs:
             r = bench_shape(name, N, K, epi, M, dtype, l2)
             rows.append(r)

@@ -111,3 +111,40 @@ def test_a_broken_table_is_an_error_naming_the_file(tmp_path, monkeypatch, text,
         assert what in str(e.value)
     finally:
         tuning.table.cache_clear()
+
+
+def test_the_benchmarked_matmuls_are_the_loaders_shards_and_the_h200_table_covers_them():
+    """`bench kernels` derives each rank's matmul shapes from the load plan; the shipped H200
+    table has every one of the default models' launches at every row bucket, in both dtypes."""
+    from mpinfer.kernelbench import DEFAULT_MODELS, models_shapes
+
+    shapes = models_shapes(DEFAULT_MODELS)
+    assert shapes["7b1 qkv"] == (3 * 4096, 4096, "")
+    assert shapes["176b/8 dense"] == (14336, 14336 // 8, "residual")
+    assert shapes["176b/8 fc1"] == (4 * 14336 // 8, 14336, "gelu")
+    assert shapes["176b/8 lm_head"] == (250880 // 8, 14336, "")
+    configs = json.loads((tuning.TABLE_DIR / "nvidia-h200.json").read_text())["configs"]
+    for N, K, _ in shapes.values():
+        for dtype in ("float16", "bfloat16"):
+            for bucket in tuning.ROW_BUCKETS:
+                assert tuning.key(dtype, bucket, N, K) in configs, (dtype, bucket, N, K)
+
+
+def test_matmul_shapes_from_a_config_json_and_bad_models(tmp_path):
+    from mpinfer.kernelbench import models_shapes
+
+    cfg = {"model_type": "bloom", "vocab_size": 1001, "hidden_size": 64, "n_layer": 2,
+           "n_head": 4}  # fmt: skip
+    (tmp_path / "my-bloom").mkdir()
+    (tmp_path / "my-bloom" / "config.json").write_text(json.dumps(cfg))
+    assert models_shapes(f"{tmp_path / 'my-bloom'}:2") == {
+        "my-bloom/2 qkv": (96, 64, ""), "my-bloom/2 dense": (64, 32, "residual"),
+        "my-bloom/2 fc1": (128, 64, "gelu"), "my-bloom/2 fc2": (64, 128, "residual"),
+        "my-bloom/2 lm_head": (501, 64, ""),  # the vocab padded to a multiple of tp
+    }  # fmt: skip
+    for bad, what in [(f"{tmp_path / 'my-bloom'}:3", "not divisible by tp_size=3"),
+                      ("bloom-7b1:x", "must be a positive integer"),
+                      ("bloom-7b1:0", "must be a positive integer"),
+                      (str(tmp_path / "nothing"), "neither a known shape")]:  # fmt: skip
+        with pytest.raises(ValueError, match=what):
+            models_shapes(bad)
