@@ -97,10 +97,15 @@ def config_text(cfg) -> str:
     return name(cfg.kwargs, cfg.num_warps, cfg.num_stages)
 
 
-def _operands(name, N, K, epilogue, M, dtype, l2_bytes):
-    """Random operands of one matmul of the model, with enough weight copies to overflow L2."""
+def _copies(read_bytes: int, l2_bytes: int) -> int:
+    """How many copies of what a call reads make a graph that cycles through them miss L2."""
+    return max(2, -(-3 * l2_bytes // read_bytes))
+
+
+def _operands(name, N, K, epilogue, M, dtype, copies):
+    """Random operands of one matmul of the model: `copies` int8 weights, the LM head without a
+    bias, a residual for the layers that fuse one."""
     g = torch.Generator(device="cuda").manual_seed(N + K + M)
-    copies = max(2, -(-3 * l2_bytes // (N * K)))
     qs = [torch.randint(-127, 128, (N, K), dtype=torch.int8, device="cuda", generator=g)
           for _ in range(copies)]  # fmt: skip
     scale = torch.rand(N, device="cuda", generator=g) / 1000
@@ -113,7 +118,7 @@ def _operands(name, N, K, epilogue, M, dtype, l2_bytes):
 def bench_shape(name, N, K, epilogue, M, dtype, l2_bytes) -> dict:
     from .kernels import tuning, w8a16
 
-    g, qs, scale, x, bias, res = _operands(name, N, K, epilogue, M, dtype, l2_bytes)
+    g, qs, scale, x, bias, res = _operands(name, N, K, epilogue, M, dtype, _copies(N * K, l2_bytes))
     gelu = epilogue == "gelu"
     w_bytes = N * K
 
@@ -135,8 +140,8 @@ def bench_shape(name, N, K, epilogue, M, dtype, l2_bytes) -> dict:
         best = config_text(tuner.best_config)
     us = graph_time_us(ours, len(qs))
     qs.clear()  # free the int8 copies before the fp16 ones
-    ws = [torch.randn(N, K, device="cuda", generator=g, dtype=dtype) for _ in range(
-        max(2, -(-3 * l2_bytes // (2 * w_bytes))))]  # fmt: skip
+    ws = [torch.randn(N, K, device="cuda", generator=g, dtype=dtype)
+          for _ in range(_copies(2 * w_bytes, l2_bytes))]  # fmt: skip
 
     def cublas(i):
         y = F.linear(x, ws[i], bias)
@@ -163,12 +168,7 @@ def _compile(task) -> str | None:
     name, N, K, epilogue, M, dtype, config = task
     from .kernels import w8a16
 
-    dtype = getattr(torch, dtype)
-    q = torch.empty(N, K, dtype=torch.int8, device="cuda")
-    x = torch.zeros(M, K, dtype=dtype, device="cuda")
-    scale = torch.zeros(N, device="cuda")
-    bias = None if name.endswith("lm_head") else torch.zeros(N, dtype=dtype, device="cuda")
-    res = torch.zeros(M, N, dtype=dtype, device="cuda") if epilogue == "residual" else None
+    _, (q,), scale, x, bias, res = _operands(name, N, K, epilogue, M, getattr(torch, dtype), 1)
     try:
         w8a16.w8a16_matmul(x, q, scale, bias, gelu=epilogue == "gelu", residual=res,
                            config=config)  # fmt: skip
@@ -223,7 +223,7 @@ def tune(shapes: dict, keys: list, l2_bytes: int, table_path: str, vs_autotune: 
     rows = []
     for shape, N, K, epi, M, dtype, dt, cands in plan:
         runnable = [c for c in cands if _variant(shape, K, epi, M, dt, c) not in broken]
-        row = _tune_launch(shape, N, K, epi, M, dtype, runnable, l2_bytes, vs_autotune)
+        row = _tune_launch(shape, N, K, epi, M, dtype, dt, runnable, l2_bytes, vs_autotune)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if "_us" not in k or k == "autotune_us"}),
               flush=True)  # fmt: skip
@@ -247,12 +247,12 @@ def _variant(shape, K, epi, M, dt, config) -> tuple:
     return (dt, M, epi, shape.endswith("lm_head"), family)
 
 
-def _tune_launch(shape, N, K, epi, M, dtype, cands, l2_bytes, vs_autotune) -> dict:
+def _tune_launch(shape, N, K, epi, M, dtype, dt, cands, l2_bytes, vs_autotune) -> dict:
     import statistics
 
     from .kernels import tuning, w8a16
 
-    _, qs, scale, x, bias, res = _operands(shape, N, K, epi, M, dtype, l2_bytes)
+    _, qs, scale, x, bias, res = _operands(shape, N, K, epi, M, dtype, _copies(N * K, l2_bytes))
     gelu = epi == "gelu"
     calls = max(len(qs), min(24, int(2e3 / (N * K / 3e6))))  # about 2 ms of graph
 
@@ -279,7 +279,6 @@ def _tune_launch(shape, N, K, epi, M, dtype, cands, l2_bytes, vs_autotune) -> di
             again[c].append(timed(c))
     final = {c: statistics.median(v) for c, v in again.items()}
     best = min(final, key=final.get)
-    dt = str(dtype).removeprefix("torch.")
     qs.clear()
     torch.cuda.empty_cache()
     return {"key": tuning.key(dt, M, N, K), "shape": shape, "N": N, "K": K, "M": M, "dtype": dt,
@@ -336,7 +335,7 @@ def _attention_case(name, B, heads, context, max_seq, l2_bytes, dtype) -> dict:
     sms = sm_count(0)
     head_dim = 128
     read = 2 * B * heads * context * head_dim * 2
-    copies = max(2, -(-3 * l2_bytes // read))
+    copies = _copies(read, l2_bytes)
     caches = [(torch.randn(B, heads, max_seq, head_dim, device="cuda", dtype=dtype),
                torch.randn(B, heads, max_seq, head_dim, device="cuda", dtype=dtype))
               for _ in range(copies)]  # fmt: skip
@@ -366,8 +365,9 @@ def _attention_case(name, B, heads, context, max_seq, l2_bytes, dtype) -> dict:
         results.append({"block_l": block_l, "warps": warps, "stages": stages, "splits": n,
                         "us": us})  # fmt: skip
     ok = sorted((r for r in results if r["us"]), key=lambda r: r["us"])
-    current = next(r for r in results if (r["block_l"], r["warps"], r["stages"],
-                                          r["splits"]) == (32, 2, 3, policy))  # fmt: skip
+    default = (attention.TILE_KEYS, attention.WARPS, attention.STAGES, policy)
+    current = next(r for r in results
+                   if (r["block_l"], r["warps"], r["stages"], r["splits"]) == default)  # fmt: skip
     return {"case": name, "batch": B, "heads": heads, "context": context, "max_seq": max_seq,
             "bytes": read, "policy_splits": policy, "default_us": current["us"],
             "best": ok[0], "top": ok[:8], "all": results}  # fmt: skip

@@ -86,6 +86,8 @@ def test_lookup_uses_the_table_of_the_gpu_it_runs_on(tmp_path, monkeypatch):
         assert tuning.lookup("Some GPU 80GB", "float16", 17, 4096, 4096) is None  # not tuned
         assert tuning.lookup("Some GPU 80GB", "bfloat16", 9, 4096, 4096) is None  # cannot run
         assert tuning.lookup("Some GPU", "float16", 1, 4096, 4096) is None  # another GPU
+        # the same file name, but the table was measured on a GPU of another name
+        assert tuning.lookup("Some GPU-80GB", "float16", 1, 4096, 4096) is None
         monkeypatch.setenv("MPINFER_TUNED", "0")
         tuning.table.cache_clear()
         assert tuning.lookup("Some GPU 80GB", "float16", 1, 4096, 4096) is None

@@ -26,6 +26,10 @@ import triton.language as tl
 
 from . import attention_splits, sm_count
 
+# Keys per tile, warps and pipeline stages per program (the sweep's winner; stages made no
+# difference there).
+TILE_KEYS, WARPS, STAGES = 32, 2, 3
+
 
 @triton.jit
 def _decode_attention_kernel(
@@ -112,9 +116,9 @@ def decode_attention(
     slopes: torch.Tensor,
     *,
     n_splits: int | None = None,
-    block_l: int = 32,
-    num_warps: int = 2,
-    num_stages: int = 3,
+    block_l: int = TILE_KEYS,
+    num_warps: int = WARPS,
+    num_stages: int = STAGES,
 ) -> torch.Tensor:
     """n_splits (programs per row and head) by default from the policy in
     kernels.attention_splits; the keyword arguments are for benchmarks and tests."""

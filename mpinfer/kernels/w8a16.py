@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ROW_BUCKETS, sm_count, tuning
+from . import sm_count, tuning
 from .tuning import COUNTERS, WORKSPACE_BYTES
 
 # MPINFER_INT8_MAGIC=0 keeps the autotuner off the int8->fp16 bit trick (a diagnostic switch).
@@ -257,8 +257,9 @@ def _device_scratch(device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.cache
-def _gpu_name(device_index: int) -> str:
-    return torch.cuda.get_device_name(device_index)
+def _table_config(device_index: int, dtype: str, M: int, N: int, K: int) -> str | None:
+    """The tuned table's config for a launch (looked up once per launch shape, not per call)."""
+    return tuning.lookup(torch.cuda.get_device_name(device_index), dtype, M, N, K)
 
 
 def w8a16_matmul(
@@ -282,14 +283,14 @@ def w8a16_matmul(
         residual = residual.reshape(M, N)
         assert residual.stride(1) == 1
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    block_m = next(b for b in ROW_BUCKETS[1:] if b >= M)  # the row tile of M's bucket
+    block_m = max(16, tuning.row_bucket(M))  # the row tile of M's bucket
     m_tiles = triton.cdiv(M, block_m)
     ws, counters = _device_scratch(x.device)
     dtype = str(x.dtype).removeprefix("torch.")
     if config == "autotune":
         config = None
     elif config is None:
-        config = tuning.lookup(_gpu_name(_index(x.device)), dtype, M, N, K)
+        config = _table_config(_index(x.device), dtype, M, N, K)
     elif why := tuning.illegal(config, M, N, K, dtype):
         raise ValueError(f"config {config!r} cannot run {M} x {K} by {N} ({dtype}): {why}")
     args = (
@@ -302,11 +303,6 @@ def w8a16_matmul(
     # from 2..16 rows, so a config tuned for one row is never reused for more.
     flags = dict(one_row=int(M == 1), BLOCK_M=block_m, HAS_BIAS=bias is not None, ACT=gelu,
                  HAS_RES=residual is not None)  # fmt: skip
-    if config is not None:
-        kw, warps, stages = tuning.parse(config)
-        grid = (triton.cdiv(N, kw["BLOCK_N"]), kw["split_k"], m_tiles if kw["USE_DOT"] else 1)
-        _w8a16[grid](*args, **flags, **kw, num_warps=warps, num_stages=stages)
-        return y
 
     def grid(meta):
         n_tiles = triton.cdiv(N, meta["BLOCK_N"])
@@ -314,5 +310,9 @@ def w8a16_matmul(
         assert meta["USE_DOT"] or M == 1, "the one-row loop picked for several rows"
         return (n_tiles, meta["split_k"], m_tiles if meta["USE_DOT"] else 1)
 
-    _w8a16_kernel[grid](*args, **flags)
+    if config is None:
+        _w8a16_kernel[grid](*args, **flags)
+    else:
+        kw, warps, stages = tuning.parse(config)
+        _w8a16[grid(kw)](*args, **flags, **kw, num_warps=warps, num_stages=stages)
     return y
