@@ -197,8 +197,7 @@ def tune(shapes: dict, keys: list, l2_bytes: int, table_path: str, vs_autotune: 
     for shape, M, dtype in keys:
         N, K, epi = shapes[shape]
         dt = str(dtype).removeprefix("torch.")
-        cands = [c for c in tuning.names(tuning.SWEEP_FAMILIES, tuning.SWEEP_SPLITS,
-                                         fp16=dt == "float16")
+        cands = [c for c in tuning.names(tuning.SWEEP_FAMILIES, tuning.SWEEP_SPLITS, dt)
                  if not tuning.illegal(c, M, N, K, dt)]  # fmt: skip
         plan.append((shape, N, K, epi, M, dtype, dt, cands))
     # Compile every variant in parallel first (one per family, row count, dtype and epilogue:
@@ -284,6 +283,9 @@ def _tune_launch(shape, N, K, epi, M, dtype, dt, cands, l2_bytes, vs_autotune) -
     return {"key": tuning.key(dt, M, N, K), "shape": shape, "N": N, "K": K, "M": M, "dtype": dt,
             "config": best, "us": final[best], "GBps": (N * K + 4 * N) / final[best] / 1e3,
             "autotune_config": picked, "autotune_us": final.get(picked),
+            "best_us_by_magic": {str(m): min((t for c, t in first.items() if f" magic{m} " in c),
+                                             default=None)
+                                 for m in tuning.magics(dt)},  # fmt: skip
             "leaders_us": again,
             "candidates_us": sorted(first.items(), key=lambda cu: cu[1])}  # fmt: skip
 
@@ -291,16 +293,23 @@ def _tune_launch(shape, N, K, epi, M, dtype, dt, cands, l2_bytes, vs_autotune) -
 def tune_markdown(result: dict) -> str:
     from .bench import md_table
 
+    def by_magic(r, m):
+        t = r.get("best_us_by_magic", {}).get(str(m))
+        return f"{t:.1f}" if t else "-"
+
     header = ["shape", "rows", "dtype", "table config", "us", "GB/s", "autotuner's pick", "us",
-              "gain"]  # fmt: skip
+              "gain", "best magic0 / 1 / 2 us"]  # fmt: skip
     rows = [[r["shape"], r["M"], r["dtype"], r["config"], f"{r['us']:.1f}", f"{r['GBps']:.0f}",
              r["autotune_config"] or "-",
              f"{r['autotune_us']:.1f}" if r["autotune_us"] else "-",
-             f"{r['autotune_us'] / r['us']:.2f}x" if r["autotune_us"] else "-"]
+             f"{r['autotune_us'] / r['us']:.2f}x" if r["autotune_us"] else "-",
+             " / ".join(by_magic(r, m) for m in (0, 1, 2))]
             for r in result["rows"]]  # fmt: skip
     return (
-        f"{result['gpu']}: the tuned table ({result['table']}) against the autotuner's pick, "
-        "both timed in a CUDA graph with weights from HBM (median of 5)\n\n"
+        f"{result['gpu']}: the tuned table ({result['table']}), timed in a CUDA graph with "
+        "weights from HBM (median of 5), beside the autotuner's pick where it was timed too, "
+        "and the fastest config of each int8 conversion (magic0: via fp32, 1: the fp16 bit "
+        "trick in Triton ops, 2: the bit trick in packed PTX; one timing each)\n\n"
         + md_table(header, rows)
     )
 

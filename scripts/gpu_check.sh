@@ -30,11 +30,13 @@ bench() {  # bench gpu with the given arguments, its log in $OUT/gpu.log
 }
 memory=--memory
 [ "${NO_MEMORY:-0}" = 1 ] && memory=
+vs_autotune=  # VS_AUTOTUNE=1: also time the autotuner's pick of every launch (about 150 s more)
+[ "${VS_AUTOTUNE:-0}" = 1 ] && vs_autotune=--vs-autotune
 case "$mode" in
 tune) table=mpinfer/kernels/tuned/$(python3 -c "import torch; from mpinfer.kernels.tuning \
           import slug; print(slug(torch.cuda.get_device_name()))").json
       timeout "$(($(left) - ${TESTS_TIME:-230}))" python3 -m mpinfer.cli bench kernels \
-          --tune "$table" --rows 1,8,32,64 --bf16-rows 1,8,32,64 --vs-autotune \
+          --tune "$table" --rows 1,8,32,64 --bf16-rows 1,8,32,64 $vs_autotune \
           --out "$OUT/kernels-h200-tune.json" > "$OUT/tune.log" 2>&1
       echo "tune: exit $? at ${SECONDS}s"; grep -v '^{' "$OUT/tune.log" | tail -90
       cp "$table" "$OUT/" ;;

@@ -84,7 +84,7 @@ def _families():
     autotuner may pick (the sweep's families include the autotuner's)."""
     from mpinfer.kernels import tuning
 
-    return [tuning.parse(n) for n in tuning.names(tuning.SWEEP_FAMILIES, (1,), fp16=True)]
+    return [tuning.parse(n) for n in tuning.names(tuning.SWEEP_FAMILIES, (1,), "float16")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -96,7 +96,7 @@ def test_every_config_family_split_k(dtype):
     for the one GPU it wins on."""
     import triton
 
-    from mpinfer.kernels import w8a16
+    from mpinfer.kernels import tuning, w8a16
 
     jit = w8a16._w8a16_kernel.fn.fn  # under the autotuner and the heuristics
     ws, counters = w8a16._device_scratch(torch.device("cuda"))
@@ -106,7 +106,7 @@ def test_every_config_family_split_k(dtype):
     bias = torch.randn(N, device="cuda", generator=g, dtype=dtype)
     failures = []
     for kw, num_warps, num_stages in _families():
-        if kw["MAGIC"] and dtype != torch.float16:
+        if kw["MAGIC"] not in tuning.magics(str(dtype).removeprefix("torch.")):
             continue
         for M in (1, 7, 20) if kw["USE_DOT"] else (1,):
             x = torch.randn(M, K, device="cuda", generator=g, dtype=dtype)

@@ -11,12 +11,14 @@ from mpinfer.kernels import tuning
 
 
 def test_every_sweep_config_name_round_trips():
-    all_names = tuning.names(tuning.SWEEP_FAMILIES, tuning.SWEEP_SPLITS, fp16=True)
+    all_names = tuning.names(tuning.SWEEP_FAMILIES, tuning.SWEEP_SPLITS, "float16")
     assert len(set(all_names)) == len(all_names)
     for n in all_names:
         kw, warps, stages = tuning.parse(n)
         assert tuning.name(kw, warps, stages) == n
-    assert all("magic0" in n for n in tuning.names(tuning.SWEEP_FAMILIES, (1,), fp16=False))
+    bf16 = tuning.names(tuning.SWEEP_FAMILIES, (1,), "bfloat16")
+    assert {n.split()[5] for n in bf16} == {"magic0", "magic2"}  # the Triton-op trick is fp16 only
+    assert {n.split()[5] for n in all_names} == {"magic0", "magic1", "magic2"}
 
 
 @pytest.mark.parametrize("bad", ["", "dot n64 k128", "mma n64 k128 split1 pf0 magic0 w4 s3",
@@ -34,7 +36,8 @@ def test_a_bad_config_name_is_refused_by_name(bad):
      ("dot n64 k128 split2 pf0 magic0 w4 s3", 64, 250880, 4096, "float16", "workspace"),
      ("dot n64 k256 split8 pf0 magic0 w4 s3", 1, 4096, 1792, "float16", "shorter than one"),
      ("dot n64 k256 split4 pf0 magic0 w4 s3", 1, 4096, 1792, "float16", None),
-     ("fma n8 k512 split1 pf1 magic1 w4 s1", 1, 250880, 4096, "float16", None)],
+     ("fma n8 k512 split1 pf1 magic1 w4 s1", 1, 250880, 4096, "float16", None),
+     ("dot n64 k128 split1 pf0 magic2 w4 s3", 1, 4096, 4096, "bfloat16", None)],
 )  # fmt: skip
 def test_illegal_names_what_stops_a_config(config, rows, N, K, dtype, why):
     got = tuning.illegal(config, rows, N, K, dtype)
@@ -53,7 +56,7 @@ def test_every_shipped_table_is_runnable_and_covered_by_the_gpu_tests():
     tables = sorted(tuning.TABLE_DIR.glob("*.json"))
     assert tables, f"no tuned table under {tuning.TABLE_DIR}"
     families = {tuning.parse(n)[1:] + tuple(sorted(tuning.parse(n)[0].items()))
-                for n in tuning.names(tuning.SWEEP_FAMILIES, (1,), fp16=True)}  # fmt: skip
+                for n in tuning.names(tuning.SWEEP_FAMILIES, (1,), "float16")}  # fmt: skip
     for path in tables:
         data = json.loads(path.read_text())
         assert path.stem == tuning.slug(data["gpu"]), path

@@ -1,10 +1,11 @@
 """The W8A16 kernel's configurations, by name, and the per-GPU tables of measured best ones.
 Free of Triton, so that CPU CI (which has none) checks every shipped table.
 
-A config's name is its loop and its Triton meta-parameters, e.g. "dot n64 k128 split4 pf0 magic0
+A config's name is its loop and its Triton meta-parameters, e.g. "dot n64 k128 split4 pf0 magic2
 w4 s3": loop (dot: tensor cores; swap: tensor cores with the weight tile as the left operand;
-fma: the one-row elementwise loop), BLOCK_N, BLOCK_K, split-K, PREFETCH, MAGIC (the int8->fp16
-bit trick), num_warps, num_stages.
+fma: the one-row elementwise loop), BLOCK_N, BLOCK_K, split-K, PREFETCH, MAGIC (how int8 becomes
+float: 0 the conversion unit via fp32, 1 the fp16 bit trick in Triton ops, fp16 only, 2 the bit
+trick in packed PTX, four weights at a time), num_warps, num_stages.
 
 Why tables: the autotuner times each candidate once per process with Triton's timer (one launch
 between L2 flushes), whose run-to-run spread (several microseconds on a 10-40 us kernel) is larger
@@ -37,6 +38,7 @@ AUTOTUNE_FAMILIES = [
     ("swap", 64, 128, 4, 4, 0), ("fma", 16, 256, 4, 3, 0), ("fma", 8, 512, 4, 1, 1),
 ]  # fmt: skip
 AUTOTUNE_SPLITS = (1, 2, 4, 8)
+AUTOTUNE_MAGIC = (0, 1, 2)
 # The sweep behind a table also tries wider, deeper and smaller tiles, and splits that are not
 # powers of two (programs = tiles x splits decides how evenly the last wave fills the GPU).
 SWEEP_FAMILIES = AUTOTUNE_FAMILIES + [
@@ -45,7 +47,7 @@ SWEEP_FAMILIES = AUTOTUNE_FAMILIES + [
 ]  # fmt: skip
 SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 
-_NAME = re.compile(r"(dot|swap|fma) n(\d+) k(\d+) split(\d+) pf([01]) magic([01]) w(\d+) s(\d+)")
+_NAME = re.compile(r"(dot|swap|fma) n(\d+) k(\d+) split(\d+) pf([01]) magic([012]) w(\d+) s(\d+)")
 
 
 @functools.cache
@@ -67,13 +69,20 @@ def name(kw: dict, num_warps: int, num_stages: int) -> str:
             f"magic{kw.get('MAGIC', 0)} w{num_warps} s{num_stages}")  # fmt: skip
 
 
-def names(families, splits, fp16: bool) -> list[str]:
-    """Every config of these families and splits (the bit trick for fp16 only)."""
+def magics(dtype: str) -> tuple[int, ...]:
+    """The int8 conversions a launch of this activation dtype may use (1 makes fp16 only)."""
+    return (0, 1, 2) if dtype == "float16" else (0, 2)
+
+
+def names(families, splits, dtype: str, magic=None) -> list[str]:
+    """Every config of these families and splits, with every conversion `dtype` allows (or
+    those of `magic` only)."""
     return [
-        f"{loop} n{bn} k{bk} split{split} pf{pf} magic{magic} w{w} s{s}"
+        f"{loop} n{bn} k{bk} split{split} pf{pf} magic{m} w{w} s{s}"
         for loop, bn, bk, w, s, pf in families
         for split in splits
-        for magic in ((0, 1) if fp16 else (0,))
+        for m in magics(dtype)
+        if magic is None or m in magic
     ]
 
 
@@ -95,8 +104,8 @@ def illegal(name_: str, rows: int, N: int, K: int, dtype: str) -> str | None:
         return "the fma loop computes one row"
     if kw["SWAP"] and rows == 1:
         return "swap is for several rows"
-    if kw["MAGIC"] and dtype != "float16":
-        return "the int8 bit trick makes fp16 only"
+    if kw["MAGIC"] not in magics(dtype):
+        return "the Triton-op bit trick (magic1) makes fp16 only"
     if split > 1 and split * rows * N * 4 > WORKSPACE_BYTES:
         return f"split-K partials over the {WORKSPACE_BYTES >> 20} MiB workspace"
     if bk * split > max(K, bk):

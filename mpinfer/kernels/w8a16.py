@@ -40,14 +40,16 @@ import triton.language as tl
 from . import sm_count, tuning
 from .tuning import COUNTERS, WORKSPACE_BYTES
 
-# MPINFER_INT8_MAGIC=0 keeps the autotuner off the int8->fp16 bit trick (a diagnostic switch).
+# MPINFER_INT8_MAGIC=0 keeps the autotuner off the int8 bit tricks (a diagnostic switch).
 MAGIC_ENABLED = os.environ.get("MPINFER_INT8_MAGIC", "1") != "0"
 
 
 def _configs() -> list[triton.Config]:
-    """The autotuner's candidates: tuning.AUTOTUNE_FAMILIES x AUTOTUNE_SPLITS x MAGIC."""
+    """The autotuner's candidates: AUTOTUNE_FAMILIES x AUTOTUNE_SPLITS x AUTOTUNE_MAGIC (those
+    the launch's dtype cannot use are pruned)."""
     out = []
-    for text in tuning.names(tuning.AUTOTUNE_FAMILIES, tuning.AUTOTUNE_SPLITS, fp16=True):
+    for text in tuning.names(tuning.AUTOTUNE_FAMILIES, tuning.AUTOTUNE_SPLITS, "float16",
+                             tuning.AUTOTUNE_MAGIC):  # fmt: skip
         kw, warps, stages = tuning.parse(text)
         out.append(triton.Config(kw, num_warps=warps, num_stages=stages))
     return out
@@ -110,14 +112,72 @@ def _reduce_and_finish(
             tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
 
 
+# Packed int8 conversions in PTX, four weights per call (MAGIC=2; NVIDIA only). One `xor` makes
+# the four signed bytes offset-binary (q + 128); `prmt` then places each byte under a constant
+# exponent, so the bits are a float whose value is a fixed offset plus q + 128, and one subtract
+# (two lanes at a time for fp16) leaves q exactly. No conversion-unit instruction (the int8 ->
+# float conversion runs at 16 values per clock per SM on Hopper, about the rate the weight bytes
+# arrive at), and no per-byte unpacking: 5 instructions per 4 weights for fp16, 9 for fp32.
+# fp16: 0x64XX is 1024 + XX, so subtract 1152 (0x6480) from both lanes.
+_S8_TO_F16 = tl.constexpr("""{
+.reg .b32 u, c;
+xor.b32 u, $2, 0x80808080;
+prmt.b32 $0, u, 0x64646464, 0x4140;
+prmt.b32 $1, u, 0x64646464, 0x4342;
+mov.b32 c, 0x64806480;
+sub.f16x2 $0, $0, c;
+sub.f16x2 $1, $1, c;
+}""")
+# fp32: 0x4B0000XX is 2^23 + XX, so subtract 2^23 + 128.
+_S8_TO_F32 = tl.constexpr("""{
+.reg .b32 u;
+xor.b32 u, $4, 0x80808080;
+prmt.b32 $0, u, 0x4B000000, 0x7540;
+prmt.b32 $1, u, 0x4B000000, 0x7541;
+prmt.b32 $2, u, 0x4B000000, 0x7542;
+prmt.b32 $3, u, 0x4B000000, 0x7543;
+sub.f32 $0, $0, 0f4B000080;
+sub.f32 $1, $1, 0f4B000080;
+sub.f32 $2, $2, 0f4B000080;
+sub.f32 $3, $3, 0f4B000080;
+}""")
+# bf16: the fp32 values' upper halves, exact for integers of at most 8 significant bits.
+_S8_TO_BF16 = tl.constexpr("""{
+.reg .b32 u, f<4>;
+xor.b32 u, $2, 0x80808080;
+prmt.b32 f0, u, 0x4B000000, 0x7540;
+prmt.b32 f1, u, 0x4B000000, 0x7541;
+prmt.b32 f2, u, 0x4B000000, 0x7542;
+prmt.b32 f3, u, 0x4B000000, 0x7543;
+sub.f32 f0, f0, 0f4B000080;
+sub.f32 f1, f1, 0f4B000080;
+sub.f32 f2, f2, 0f4B000080;
+sub.f32 f3, f3, 0f4B000080;
+prmt.b32 $0, f0, f1, 0x7632;
+prmt.b32 $1, f2, f3, 0x7632;
+}""")
+
+
 @triton.jit
 def _to_compute(w, dtype: tl.constexpr, MAGIC: tl.constexpr):
-    if MAGIC:
-        # int8 -> fp16 without the conversion unit (16 values/clock/SM on Hopper, about the
-        # rate the weight bytes arrive at): the bytes of q + 128, OR-ed into the mantissa of
-        # 1024.0, are the fp16 number 1024 + q + 128; subtract 1152.
+    """An int8 tile as `dtype` (fp16, bf16, or fp32 for the one-row loop), by MAGIC's route."""
+    if MAGIC == 2:
+        if dtype == tl.float16:
+            return tl.inline_asm_elementwise(_S8_TO_F16, "=r,=r,r", [w], dtype=tl.float16,
+                                             is_pure=True, pack=4)  # fmt: skip
+        elif dtype == tl.bfloat16:
+            return tl.inline_asm_elementwise(_S8_TO_BF16, "=r,=r,r", [w], dtype=tl.bfloat16,
+                                             is_pure=True, pack=4)  # fmt: skip
+        else:
+            return tl.inline_asm_elementwise(_S8_TO_F32, "=r,=r,=r,=r,r", [w], dtype=tl.float32,
+                                             is_pure=True, pack=4)  # fmt: skip
+    elif MAGIC == 1:
+        # The same fp16 trick in Triton's elementwise ops, one weight at a time (fp16 only): the
+        # bytes of q + 128, OR-ed into the mantissa of 1024.0, are the fp16 number
+        # 1024 + q + 128; subtract 1152.
         bits = (w.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint16) | 0x6400
-        return bits.to(tl.float16, bitcast=True) - 1152.0
+        y = bits.to(tl.float16, bitcast=True) - 1152.0
+        return y.to(dtype)
     else:
         # Through fp32: int8 -> fp16 directly is a slow conversion on Hopper (the bf16 route,
         # which goes through fp32 anyway, measured up to 15 % faster); fp32 -> 16 bit is a fast
@@ -216,10 +276,7 @@ def _w8a16(
             else:
                 w = tl.load(w_ptrs, mask=n_ok & (kk[None, :] < k_hi), other=0)
             x = tl.load(x_ptr + kk, mask=kk < k_hi, other=0.0).to(tl.float32)
-            if MAGIC:
-                wf = _to_compute(w, cdt, MAGIC).to(tl.float32)
-            else:
-                wf = w.to(tl.float32)
+            wf = _to_compute(w, tl.float32, MAGIC)
             acc2 += wf * x[None, :]
             w_ptrs += BLOCK_K
         acc = tl.sum(acc2, axis=1)  # (BLOCK_N,)
