@@ -20,8 +20,8 @@ is to keep enough loads in flight on every SM. Two things decide that:
 Three inner loops; which one, with which tiles and split, is per (dtype, rows bucket, N, K): from
 the GPU's tuned table (tuning.py) where it has the launch, else from the autotuner:
 - USE_DOT: a BLOCK_N x BLOCK_K int8 tile is converted in registers and fed to the tensor cores
-  (`tl.dot`, rows padded to 16 by masking). For fp16 the autotuner may also pick the
-  conversion by the bit trick in `_to_compute` (MAGIC), which wins on some shapes only.
+  (`tl.dot`, rows padded to 16 by masking). How int8 becomes float is the config's MAGIC
+  (`_to_compute`): for fp16 the bit trick in packed PTX wins almost everywhere.
 - USE_DOT and SWAP (several rows): the same, computing y^T = w @ x^T, so the converted weight
   tile is the left operand, which the tensor cores read from registers.
 - not USE_DOT (one row only): products accumulate elementwise in a BLOCK_N x BLOCK_K fp32 tile
@@ -40,16 +40,15 @@ import triton.language as tl
 from . import sm_count, tuning
 from .tuning import COUNTERS, WORKSPACE_BYTES
 
-# MPINFER_INT8_MAGIC=0 keeps the autotuner off the int8 bit tricks (a diagnostic switch).
+# MPINFER_INT8_MAGIC=0 keeps the autotuner to the conversion through fp32 (a diagnostic switch).
 MAGIC_ENABLED = os.environ.get("MPINFER_INT8_MAGIC", "1") != "0"
 
 
 def _configs() -> list[triton.Config]:
-    """The autotuner's candidates: AUTOTUNE_FAMILIES x AUTOTUNE_SPLITS x AUTOTUNE_MAGIC (those
-    the launch's dtype cannot use are pruned)."""
+    """The autotuner's candidates: AUTOTUNE_FAMILIES x AUTOTUNE_SPLITS x the conversions
+    (_prune keeps AUTOTUNE_MAGIC's for the launch's dtype)."""
     out = []
-    for text in tuning.names(tuning.AUTOTUNE_FAMILIES, tuning.AUTOTUNE_SPLITS, "float16",
-                             tuning.AUTOTUNE_MAGIC):  # fmt: skip
+    for text in tuning.names(tuning.AUTOTUNE_FAMILIES, tuning.AUTOTUNE_SPLITS, "float16", (0, 2)):
         kw, warps, stages = tuning.parse(text)
         out.append(triton.Config(kw, num_warps=warps, num_stages=stages))
     return out
@@ -62,10 +61,11 @@ def _prune(configs, named_args, **kwargs):
     block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
     sms = sm_count(named_args["x_ptr"].device.index)
     dtype = str(named_args["x_ptr"].dtype).removeprefix("torch.")
+    magics = tuning.AUTOTUNE_MAGIC[dtype] if MAGIC_ENABLED else (0,)
     keep = []
     for c in configs:
         kw = c.kwargs
-        if kw["MAGIC"] and not MAGIC_ENABLED:
+        if kw["MAGIC"] not in magics:
             continue
         if tuning.illegal(tuning.name(kw, c.num_warps, c.num_stages), M, N, K, dtype):
             continue
