@@ -214,7 +214,6 @@ def test_fused_decode_attention_matches_eager_model(dtype, splits, monkeypatch):
     for b in range(B):
         assert torch.equal(caches[0].k[0][slots[b], :, pos[b]], k_new[b]), b
         assert torch.equal(caches[0].v[0][slots[b], :, pos[b]], v_new[b]), b
-    assert not attention._counters[0].any(), "a merge counter left non-zero for the next step"
     # The two paths' caches agree up to rounding: the fused path's LayerNorm is a Triton kernel
     # (not bit-equal to torch's), and deeper layers see the previous layer's attention output.
     for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):

@@ -9,14 +9,11 @@ attend over the slot's history, for one query token per row.
     out (B, heads_per_rank * head_dim)       ready for the dense (row-parallel) layer
 
 Flash-decoding: program (b, h, s) streams split s of the row's keys and values (the history
-cut into n_splits equal runs of BLOCK_L-key tiles at run time) with an online softmax in fp32;
-batch 1 with 32 heads still fills the GPU. The splits meet as the W8A16 matmul's split-K
-partials do: each writes its softmax state to a workspace and bumps a per-(row, head) counter,
-and the last to arrive merges all of them in split order (deterministic) and writes the output,
-so the step needs no second launch per layer (it had one: 1.8 us each, 30-70 a step). Tiles of 32
+cut into n_splits equal runs of BLOCK_L-key tiles at run time) with an online softmax in fp32,
+and a second kernel merges the splits; batch 1 with 32 heads still fills the GPU. Tiles of 32
 keys with 2 warps per program beat 64 keys with 4 by 1.3-1.5x at every batch on the H200
 (bench/results/attention-h200.md). The new token's key and value come straight
-from qkv (no read-after-write of the cache inside a program). One launch replaces the
+from qkv (no read-after-write of the cache inside a program). Two launches replace the
 view/unbind, two index_puts, the mask and bias build, SDPA and the transpose copy of the eager
 path (the reference: model.BloomAttention).
 """
@@ -36,15 +33,14 @@ TILE_KEYS, WARPS, STAGES = 32, 2, 3
 
 @triton.jit
 def _decode_attention_kernel(
-    qkv_ptr, k_ptr, v_ptr, ws_ptr, cnt_ptr, out_ptr, slot_ptr, pos_ptr, vf_ptr, slope_ptr,
-    stride_qkv, stride_cs, stride_ch, stride_cl, stride_out, scale, n_heads, n_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, SPLITS_P2: tl.constexpr,
+    qkv_ptr, k_ptr, v_ptr, ws_ptr, slot_ptr, pos_ptr, vf_ptr, slope_ptr,
+    stride_qkv, stride_cs, stride_ch, stride_cl, scale, n_heads, n_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr,
 ):  # fmt: skip
     """Program (b, h, s): split s of the keys [vf, pos) of row b, cut into n_splits equal runs
     of whole BLOCK_L tiles at run time (the row's length is known only on the device, so a
-    captured graph serves every length), and (s == 0) the new token at pos. With one split it
-    writes the output; else its partial softmax state (max, sum, weighted values) goes to the
-    workspace, and the last split of (b, h) to finish merges them all."""
+    captured graph serves every length), and (s == 0) the new token at pos. Writes its partial
+    softmax state (max, sum, weighted values) to the workspace."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -85,36 +81,29 @@ def _decode_attention_kernel(
         acc = acc * alpha + tl.sum(p[:, None] * vals, axis=0)
         denom = denom * alpha + tl.sum(p, axis=0)
         m = m_new
-    out_row = out_ptr + b * stride_out + h * HEAD_DIM + d
-    if n_splits == 1:
-        tl.store(out_row, (acc / denom).to(out_ptr.dtype.element_ty))
-    else:
-        row_ws = ws_ptr + (b * n_heads + h) * n_splits * (HEAD_DIM + 2)
-        ws = row_ws + s * (HEAD_DIM + 2)
-        tl.store(ws + d, acc)
-        tl.store(ws + HEAD_DIM, m)
-        tl.store(ws + HEAD_DIM + 1, denom)
-        tl.debug_barrier()  # every thread's part is written before the counter moves
-        arrived = tl.atomic_add(cnt_ptr + b * n_heads + h, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_splits - 1:  # the last split of (b, h): merge all, in split order
-            sp = tl.arange(0, SPLITS_P2)
-            ok = sp < n_splits
-            part = row_ws + sp * (HEAD_DIM + 2)
-            m_s = tl.load(part + HEAD_DIM, mask=ok, other=-float("inf"), cache_modifier=".cg")
-            den_s = tl.load(part + HEAD_DIM + 1, mask=ok, other=0.0, cache_modifier=".cg")
-            acc_s = tl.load(part[:, None] + d[None, :], mask=ok[:, None], other=0.0,
-                            cache_modifier=".cg")  # fmt: skip
-            m_all = tl.max(m_s, axis=0)
-            w = tl.where(den_s > 0, tl.exp(m_s - m_all), 0.0)  # empty splits weigh nothing
-            out = tl.sum(acc_s * w[:, None], axis=0) / tl.sum(den_s * w, axis=0)
-            tl.store(out_row, out.to(out_ptr.dtype.element_ty))
-            tl.atomic_xchg(cnt_ptr + b * n_heads + h, 0)  # ready for the next launch
+    ws = ws_ptr + ((b * n_heads + h) * n_splits + s) * (HEAD_DIM + 2)
+    tl.store(ws + d, acc)
+    tl.store(ws + HEAD_DIM, m)
+    tl.store(ws + HEAD_DIM + 1, denom)
 
 
-# Per device: one int32 per (row, head) of a launch; the kernel leaves each at zero, so launches
-# on a stream (and graph replays) share them.
-COUNTERS = 1 << 16
-_counters: dict = {}
+@triton.jit
+def _combine_kernel(ws_ptr, out_ptr, stride_out, n_heads, n_splits,
+                    HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr):  # fmt: skip
+    """Program (b, h): merge the splits' partial softmax states into the output."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_P2)
+    d = tl.arange(0, HEAD_DIM)
+    ws = ws_ptr + (b * n_heads + h) * n_splits * (HEAD_DIM + 2)
+    ok = sp < n_splits
+    m = tl.load(ws + sp * (HEAD_DIM + 2) + HEAD_DIM, mask=ok, other=-float("inf"))
+    den = tl.load(ws + sp * (HEAD_DIM + 2) + HEAD_DIM + 1, mask=ok, other=0.0)
+    acc = tl.load(ws + sp[:, None] * (HEAD_DIM + 2) + d[None, :], mask=ok[:, None], other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(den > 0, tl.exp(m - m_all), 0.0)  # empty splits (m = -inf) weigh nothing
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(den * w, axis=0)
+    tl.store(out_ptr + b * stride_out + h * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
 
 
 def decode_attention(
@@ -138,18 +127,16 @@ def decode_attention(
     assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     if n_splits is None:
         n_splits = attention_splits(B, heads, max_seq, sm_count(qkv.device.index))
-    assert B * heads <= COUNTERS, f"{B} rows x {heads} heads: more than {COUNTERS} counters"
-    device = qkv.device
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _counters:
-        _counters[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    ws = torch.empty((B, heads, n_splits, head_dim + 2), dtype=torch.float32, device=device)
-    out = torch.empty((B, heads * head_dim), dtype=qkv.dtype, device=device)
+    ws = torch.empty((B, heads, n_splits, head_dim + 2), dtype=torch.float32, device=qkv.device)
+    out = torch.empty((B, heads * head_dim), dtype=qkv.dtype, device=qkv.device)
     _decode_attention_kernel[(B, heads, n_splits)](
-        qkv, k_cache, v_cache, ws, _counters[key], out, slot_ids, positions, valid_from, slopes,
-        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
+        qkv, k_cache, v_cache, ws, slot_ids, positions, valid_from, slopes,
+        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         head_dim**-0.5, heads, n_splits,
-        HEAD_DIM=head_dim, BLOCK_L=block_l, SPLITS_P2=triton.next_power_of_2(n_splits),
-        num_warps=num_warps, num_stages=num_stages,
+        HEAD_DIM=head_dim, BLOCK_L=block_l, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    _combine_kernel[(B, heads)](
+        ws, out, out.stride(0), heads, n_splits,
+        HEAD_DIM=head_dim, SPLITS_P2=triton.next_power_of_2(n_splits), num_warps=2,
     )  # fmt: skip
     return out
