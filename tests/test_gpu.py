@@ -232,3 +232,54 @@ def test_layer_norm_kernel_matches_torch(hidden):
     ref = torch.nn.functional.layer_norm(x.float(), (hidden,), ln.weight.float(), ln.bias.float())
     torch.testing.assert_close(layer_norm_rows(x, ln.weight, ln.bias, ln.eps).float(), ref,
                                rtol=1e-2, atol=1e-2)  # fmt: skip
+
+
+def test_l2_prefetch_leaves_results_unchanged_and_follows_its_policy(monkeypatch):
+    """The LayerNorm's prefetching programs and the attention's L2 requests write nothing: the
+    outputs are bit-equal with and without them, on a weight of odd length (a ragged last
+    line). The policy: the whole weight in the attention window when it fits in L2 beside the
+    step's KV cache, else nothing; LN_BYTES at most in a LayerNorm window; MPINFER_L2_PREFETCH
+    turns either off, and a bad value is an error naming the variable."""
+    from mpinfer.kernels import prefetch
+    from mpinfer.kernels.attention import decode_attention
+    from mpinfer.kernels.layernorm import layer_norm_rows
+
+    monkeypatch.setenv("MPINFER_L2_PREFETCH", "all")  # the default, whatever the caller's
+    g = torch.Generator(device="cuda").manual_seed(5)
+    weight = torch.randint(-127, 127, (3001, 1001), device="cuda", dtype=torch.int8, generator=g)
+    l2 = prefetch.l2_bytes(0)
+    ask = prefetch.request(weight, "attn", 1000)
+    assert ask is not None and ask[1] == weight.numel() and ask[0].data_ptr() == weight.data_ptr()
+    assert prefetch.request(weight, "attn", l2 - weight.numel() + 1) is None
+    big = torch.empty(prefetch.LN_BYTES + 4096, dtype=torch.int8, device="cuda")
+    assert prefetch.request(big, "ln")[1] == prefetch.LN_BYTES
+    assert prefetch.request(weight, "ln")[1] == weight.numel()
+    monkeypatch.setenv("MPINFER_L2_PREFETCH", "attn")
+    assert prefetch.request(weight, "ln") is None and prefetch.request(weight, "attn")
+    monkeypatch.setenv("MPINFER_L2_PREFETCH", "0")
+    assert prefetch.request(weight, "attn") is None
+    monkeypatch.setenv("MPINFER_L2_PREFETCH", "yes")
+    with pytest.raises(ValueError, match="MPINFER_L2_PREFETCH"):
+        prefetch.request(weight, "ln")
+    monkeypatch.delenv("MPINFER_L2_PREFETCH")
+
+    pf = (weight.view(torch.uint8), weight.numel())
+    x = torch.randn(3, 1, 1000, device="cuda", dtype=torch.float16, generator=g)
+    w = torch.randn(1000, device="cuda", dtype=torch.float16, generator=g)
+    b = torch.randn(1000, device="cuda", dtype=torch.float16, generator=g)
+    assert torch.equal(layer_norm_rows(x, w, b, 1e-5), layer_norm_rows(x, w, b, 1e-5, pf))
+
+    B, H, D, S = 3, 4, 64, 300
+    qkv = torch.randn(B, H * 3 * D, device="cuda", dtype=torch.float16, generator=g)
+    caches = [torch.randn(B, H, S, D, device="cuda", dtype=torch.float16, generator=g)
+              for _ in range(2)]  # fmt: skip
+    slots = torch.tensor([2, 0, 1], device="cuda")
+    pos = torch.tensor([7, 250, 99], device="cuda")
+    vf = torch.tensor([0, 3, 50], device="cuda")
+    slopes = torch.rand(H, device="cuda", generator=g)
+    outs = []
+    for ask in (None, pf):
+        k, v = caches[0].clone(), caches[1].clone()
+        outs.append((decode_attention(qkv, k, v, slots, pos, vf, slopes, prefetch=ask), k, v))
+    for a, c in zip(outs[0], outs[1]):
+        assert torch.equal(a, c)
