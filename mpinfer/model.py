@@ -44,14 +44,12 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def layer_norm(ln: nn.LayerNorm, x: torch.Tensor, use_kernel: bool, next_weight=None):
-    """`ln(x)`, through the few-rows Triton kernel on the GPU decode path, which also asks L2
-    for the leading bytes of next_weight, the following matmul's (kernels/prefetch.py)."""
+def layer_norm(ln: nn.LayerNorm, x: torch.Tensor, use_kernel: bool) -> torch.Tensor:
+    """`ln(x)`, through the few-rows Triton kernel on the GPU decode path."""
     if use_kernel:
         from .kernels.layernorm import layer_norm_rows
-        from .kernels.prefetch import request
 
-        return layer_norm_rows(x, ln.weight, ln.bias, ln.eps, request(next_weight, "ln"))
+        return layer_norm_rows(x, ln.weight, ln.bias, ln.eps)
     return ln(x)
 
 
@@ -97,14 +95,10 @@ class BloomAttention(nn.Module):
         qkv = self.query_key_value(x)  # (B, T, heads_per_rank * 3 * head_dim)
         if fused is not None:  # one query token per row, on the GPU: one kernel (kernels/)
             from .kernels.attention import decode_attention
-            from .kernels.prefetch import request
 
             slot_ids, start_pos, valid_from, slopes = fused
-            # While this step's K/V stream in, L2 may take the dense weight too.
-            kv_bytes = 2 * B * k_cache[0].numel() * k_cache.element_size()
-            pf = request(self.dense.weight, "attn", kv_bytes)
             out = decode_attention(qkv[:, 0], k_cache, v_cache, slot_ids, start_pos, valid_from,
-                                   slopes, prefetch=pf)  # fmt: skip
+                                   slopes)  # fmt: skip
             return self.dense(out[:, None], residual=residual)  # (B, 1, hidden)
         qkv = qkv.view(B, T, self.num_heads_per_rank, 3, self.head_dim)
         q, k, v = qkv.unbind(dim=3)  # each (B, T, heads_per_rank, head_dim)
@@ -149,14 +143,12 @@ class BloomBlock(nn.Module):
         self.mlp = BloomMLP(shape, tp, method, dtype)
 
     def forward(self, x, bias, k_cache, v_cache, slots, positions, kv_len, fused=None):
-        ln = layer_norm(self.input_layernorm, x, fused is not None,
-                        self.self_attention.query_key_value.weight)  # fmt: skip
+        ln = layer_norm(self.input_layernorm, x, fused is not None)
         residual = ln if self.post_ln_residual else x
         # The residual adds ride in the output projections' epilogues (layers.py).
         x = self.self_attention(ln, bias, k_cache, v_cache, slots, positions, kv_len, fused,
                                 residual)  # fmt: skip
-        ln = layer_norm(self.post_attention_layernorm, x, fused is not None,
-                        self.mlp.dense_h_to_4h.weight)  # fmt: skip
+        ln = layer_norm(self.post_attention_layernorm, x, fused is not None)
         residual = ln if self.post_ln_residual else x
         return self.mlp(ln, residual)
 
@@ -224,14 +216,12 @@ class BloomModel(nn.Module):
         else:
             bias = self.attention_bias(positions, valid_from, kv_len)
         x = self.word_embeddings(input_ids)  # (B, T, hidden)
-        first = self.h[0].self_attention.query_key_value.weight if len(self.h) else None
-        x = layer_norm(self.word_embeddings_layernorm, x, fused is not None, first)
+        x = layer_norm(self.word_embeddings_layernorm, x, fused is not None)
         for i, block in enumerate(self.h):
             x = block(x, bias, cache.k[i], cache.v[i], slots, positions, kv_len, fused)
         if last_only:
             x = x[:, -1]
-        head = self.word_embeddings.weight
-        return self.lm_head(layer_norm(self.ln_f, x, fused is not None, head))
+        return self.lm_head(layer_norm(self.ln_f, x, fused is not None))
 
 
 class DecodeGraph:

@@ -45,15 +45,12 @@ quick) bench --shape bloom-7b1 --rows mpinfer-int8,mpinfer-int8-bf16 --simulate-
            --out "$OUT/gpu-quick.json" ;;
 full) bench --shape bloom-7b1 --simulate-tp 8 $memory --out "$OUT/gpu-h200.json" ;;
 esac
-if [ "${SKIP_TESTS:-0}" != 1 ]; then  # SKIP_TESTS=1: the benchmarks only
-    timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
-        > "$OUT/gpu-tests.txt" 2>&1
-    echo "GPU tests: exit $? (124: timed out)"
-    tail -15 "$OUT/gpu-tests.txt"
-    echo "tests done at ${SECONDS}s"
-fi
-if [ "$mode" = kernels ] || { [ "$mode" != tune ] && [ "${NO_KERNELS:-0}" != 1 ] \
-        && [ "$(left)" -gt 60 ]; }; then
+timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
+    > "$OUT/gpu-tests.txt" 2>&1
+echo "GPU tests: exit $? (124: timed out)"
+tail -15 "$OUT/gpu-tests.txt"
+echo "tests done at ${SECONDS}s"
+if [ "$mode" = kernels ] || { [ "$mode" != tune ] && [ "$(left)" -gt 60 ]; }; then
     timeout "$(left)" python3 -m mpinfer.cli bench kernels --rows "${KERNEL_ROWS:-1,8,32}" \
         --out "$OUT/kernels-h200.json" > "$OUT/kernels.log" 2>&1
     tail -45 "$OUT/kernels.log"

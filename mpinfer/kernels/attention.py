@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from . import attention_splits, sm_count
-from .prefetch import LINES, l2_prefetch
 
 # Keys per tile, warps and pipeline stages per program (the sweep's winner; stages made no
 # difference there).
@@ -34,15 +33,14 @@ TILE_KEYS, WARPS, STAGES = 32, 2, 3
 
 @triton.jit
 def _decode_attention_kernel(
-    qkv_ptr, k_ptr, v_ptr, ws_ptr, slot_ptr, pos_ptr, vf_ptr, slope_ptr, pf_ptr,
-    stride_qkv, stride_cs, stride_ch, stride_cl, scale, n_heads, n_splits, pf_bytes,
-    HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, PF: tl.constexpr,
+    qkv_ptr, k_ptr, v_ptr, ws_ptr, slot_ptr, pos_ptr, vf_ptr, slope_ptr,
+    stride_qkv, stride_cs, stride_ch, stride_cl, scale, n_heads, n_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr,
 ):  # fmt: skip
     """Program (b, h, s): split s of the keys [vf, pos) of row b, cut into n_splits equal runs
     of whole BLOCK_L tiles at run time (the row's length is known only on the device, so a
     captured graph serves every length), and (s == 0) the new token at pos. Writes its partial
-    softmax state (max, sum, weighted values) to the workspace; then (PF) asks L2 for its share
-    of the next matmul's weight (prefetch.py)."""
+    softmax state (max, sum, weighted values) to the workspace."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -87,9 +85,6 @@ def _decode_attention_kernel(
     tl.store(ws + d, acc)
     tl.store(ws + HEAD_DIM, m)
     tl.store(ws + HEAD_DIM + 1, denom)
-    if PF:
-        l2_prefetch(pf_ptr, pf_bytes, (b * n_heads + h) * n_splits + s,
-                    tl.num_programs(0) * n_heads * n_splits, LINES)  # fmt: skip
 
 
 @triton.jit
@@ -120,15 +115,13 @@ def decode_attention(
     valid_from: torch.Tensor,
     slopes: torch.Tensor,
     *,
-    prefetch: tuple[torch.Tensor, int] | None = None,
     n_splits: int | None = None,
     block_l: int = TILE_KEYS,
     num_warps: int = WARPS,
     num_stages: int = STAGES,
 ) -> torch.Tensor:
-    """prefetch: (a weight's bytes, how many) to ask L2 for (prefetch.request). n_splits
-    (programs per row and head) by default from the policy in kernels.attention_splits; it and
-    the other keyword arguments are for benchmarks and tests."""
+    """n_splits (programs per row and head) by default from the policy in
+    kernels.attention_splits; the keyword arguments are for benchmarks and tests."""
     B = qkv.shape[0]
     heads, max_seq, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
@@ -136,13 +129,11 @@ def decode_attention(
         n_splits = attention_splits(B, heads, max_seq, sm_count(qkv.device.index))
     ws = torch.empty((B, heads, n_splits, head_dim + 2), dtype=torch.float32, device=qkv.device)
     out = torch.empty((B, heads * head_dim), dtype=qkv.dtype, device=qkv.device)
-    pf, pf_bytes = prefetch if prefetch is not None else (out, 0)
     _decode_attention_kernel[(B, heads, n_splits)](
-        qkv, k_cache, v_cache, ws, slot_ids, positions, valid_from, slopes, pf,
+        qkv, k_cache, v_cache, ws, slot_ids, positions, valid_from, slopes,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        head_dim**-0.5, heads, n_splits, pf_bytes,
-        HEAD_DIM=head_dim, BLOCK_L=block_l, PF=prefetch is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        head_dim**-0.5, heads, n_splits,
+        HEAD_DIM=head_dim, BLOCK_L=block_l, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _combine_kernel[(B, heads)](
         ws, out, out.stride(0), heads, n_splits,

@@ -4,9 +4,6 @@ torch's kernel gives one row to one thread block and loops; for a decode batch o
 single SM walking 4096..14336 values (measured 8 us a call on the H200, 62 calls a step for
 bloom-7b1). Here a program holds the row (BLOCK = next power of two >= hidden) and reduces it in
 one pass, fp32 statistics, output in the input dtype. Reference: torch.nn.LayerNorm.
-
-With `prefetch` (a weight, from prefetch.request), LN_PROGRAMS more programs ask L2 for its
-leading bytes while the row programs work (prefetch.py).
 """
 
 from __future__ import annotations
@@ -15,40 +12,30 @@ import torch
 import triton
 import triton.language as tl
 
-from .prefetch import LINES, LN_PROGRAMS, l2_prefetch
-
 
 @triton.jit
-def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, pf_ptr, H, stride, eps, rows, pf_bytes,
-                       BLOCK: tl.constexpr, PF: tl.constexpr):  # fmt: skip
+def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, H, stride, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    if row >= rows:  # a prefetching program (there are some only with PF)
-        if PF:
-            l2_prefetch(pf_ptr, pf_bytes, row - rows, tl.num_programs(0) - rows, LINES)
-    else:
-        offs = tl.arange(0, BLOCK)
-        ok = offs < H
-        # All three loads first: they overlap, and the reductions wait for one memory latency.
-        x = tl.load(x_ptr + row * stride + offs, mask=ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=0) / H
-        diff = tl.where(ok, x - mean, 0.0)
-        var = tl.sum(diff * diff, axis=0) / H
-        y = diff * tl.rsqrt(var + eps) * w + b
-        tl.store(y_ptr + row * stride + offs, y.to(y_ptr.dtype.element_ty), mask=ok)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < H
+    # All three loads first: they overlap, and the reductions wait for one memory latency.
+    x = tl.load(x_ptr + row * stride + offs, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / H
+    diff = tl.where(ok, x - mean, 0.0)
+    var = tl.sum(diff * diff, axis=0) / H
+    y = diff * tl.rsqrt(var + eps) * w + b
+    tl.store(y_ptr + row * stride + offs, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def layer_norm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-                    prefetch: tuple[torch.Tensor, int] | None = None):  # fmt: skip
+def layer_norm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float):
     H = x.shape[-1]
     x2 = x.reshape(-1, H).contiguous()
     y = torch.empty_like(x2)
     block = triton.next_power_of_2(H)
-    rows = x2.shape[0]
-    pf, pf_bytes = prefetch if prefetch is not None else (y, 0)
-    _layer_norm_kernel[(rows + (LN_PROGRAMS if prefetch is not None else 0),)](
-        x2, weight, bias, y, pf, H, x2.stride(0), eps, rows, pf_bytes, BLOCK=block,
-        PF=prefetch is not None, num_warps=min(16, max(4, block // 1024)),
+    _layer_norm_kernel[(x2.shape[0],)](
+        x2, weight, bias, y, H, x2.stride(0), eps, BLOCK=block,
+        num_warps=min(16, max(4, block // 1024)),
     )  # fmt: skip
     return y.reshape(x.shape)
