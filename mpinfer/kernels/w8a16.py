@@ -48,7 +48,7 @@ def _configs() -> list[triton.Config]:
     """The autotuner's candidates: AUTOTUNE_FAMILIES x AUTOTUNE_SPLITS x the conversions
     (_prune keeps AUTOTUNE_MAGIC's for the launch's dtype)."""
     out = []
-    for text in tuning.names(tuning.AUTOTUNE_FAMILIES, tuning.AUTOTUNE_SPLITS, "float16", (0, 2)):
+    for text in tuning.names(tuning.AUTOTUNE_FAMILIES, tuning.AUTOTUNE_SPLITS, "float16"):
         kw, warps, stages = tuning.parse(text)
         out.append(triton.Config(kw, num_warps=warps, num_stages=stages))
     return out
