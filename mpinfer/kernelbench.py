@@ -126,8 +126,8 @@ def bench_shape(name, N, K, epilogue, M, dtype, l2_bytes) -> dict:
         return w8a16.w8a16_matmul(x, qs[i], scale, bias, gelu=gelu, residual=res)
 
     ours(0)  # the table's config, or autotuning
-    dt = str(dtype).removeprefix("torch.")
-    tuned = tuning.lookup(torch.cuda.get_device_name(), dt, M, N, K)
+    dt = tuning.dtype_name(dtype)
+    tuned = w8a16._table_config(torch.cuda.current_device(), dt, M, N, K)  # as the launch did
     if tuned:
         best, timings = f"{tuned} (table)", []
     else:
@@ -196,7 +196,7 @@ def tune(shapes: dict, keys: list, l2_bytes: int, table_path: str, vs_autotune: 
     plan = []
     for shape, M, dtype in keys:
         N, K, epi = shapes[shape]
-        dt = str(dtype).removeprefix("torch.")
+        dt = tuning.dtype_name(dtype)
         cands = [c for c in tuning.names(tuning.SWEEP_FAMILIES, tuning.SWEEP_SPLITS, dt)
                  if not tuning.illegal(c, M, N, K, dt)]  # fmt: skip
         plan.append((shape, N, K, epi, M, dtype, dt, cands))
@@ -283,8 +283,8 @@ def _tune_launch(shape, N, K, epi, M, dtype, dt, cands, l2_bytes, vs_autotune) -
     return {"key": tuning.key(dt, M, N, K), "shape": shape, "N": N, "K": K, "M": M, "dtype": dt,
             "config": best, "us": final[best], "GBps": (N * K + 4 * N) / final[best] / 1e3,
             "autotune_config": picked, "autotune_us": final.get(picked),
-            "best_us_by_magic": {str(m): min((t for c, t in first.items() if f" magic{m} " in c),
-                                             default=None)
+            "best_us_by_magic": {str(m): min((t for c, t in first.items()
+                                              if tuning.parse(c)[0]["MAGIC"] == m), default=None)
                                  for m in tuning.magics(dt)},  # fmt: skip
             "leaders_us": again,
             "candidates_us": sorted(first.items(), key=lambda cu: cu[1])}  # fmt: skip

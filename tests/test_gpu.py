@@ -106,7 +106,7 @@ def test_every_config_family_split_k(dtype):
     bias = torch.randn(N, device="cuda", generator=g, dtype=dtype)
     failures = []
     for kw, num_warps, num_stages in _families():
-        if kw["MAGIC"] not in tuning.magics(str(dtype).removeprefix("torch.")):
+        if kw["MAGIC"] not in tuning.magics(tuning.dtype_name(dtype)):
             continue
         for M in (1, 7, 20) if kw["USE_DOT"] else (1,):
             x = torch.randn(M, K, device="cuda", generator=g, dtype=dtype)

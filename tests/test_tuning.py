@@ -21,6 +21,13 @@ def test_every_sweep_config_name_round_trips():
     assert {n.split()[5] for n in all_names} == {"magic0", "magic1", "magic2"}
 
 
+def test_the_autotuner_tries_only_conversions_its_dtype_can_use():
+    for dtype in ("float16", "bfloat16"):
+        assert set(tuning.AUTOTUNE_MAGIC[dtype]) <= set(tuning.magics(dtype)), dtype
+        assert 2 in tuning.AUTOTUNE_MAGIC[dtype]  # packed PTX won launches of both dtypes
+    assert tuning.dtype_name(__import__("torch").bfloat16) == "bfloat16"
+
+
 @pytest.mark.parametrize("bad", ["", "dot n64 k128", "mma n64 k128 split1 pf0 magic0 w4 s3",
                                  "dot n64 k128 split1 pf0 magic0 w4 s3 extra"])  # fmt: skip
 def test_a_bad_config_name_is_refused_by_name(bad):

@@ -74,6 +74,11 @@ def name(kw: dict, num_warps: int, num_stages: int) -> str:
             f"magic{kw.get('MAGIC', 0)} w{num_warps} s{num_stages}")  # fmt: skip
 
 
+def dtype_name(dtype) -> str:
+    """The name a table key gives a torch dtype: torch.float16 -> 'float16'."""
+    return str(dtype).removeprefix("torch.")
+
+
 def magics(dtype: str) -> tuple[int, ...]:
     """The int8 conversions a launch of this activation dtype may use (1 makes fp16 only)."""
     return (0, 1, 2) if dtype == "float16" else (0, 2)

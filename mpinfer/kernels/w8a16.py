@@ -60,7 +60,7 @@ def _prune(configs, named_args, **kwargs):
     M, N, K = named_args["M"], named_args["N"], named_args["K"]
     block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
     sms = sm_count(named_args["x_ptr"].device.index)
-    dtype = str(named_args["x_ptr"].dtype).removeprefix("torch.")
+    dtype = tuning.dtype_name(named_args["x_ptr"].dtype)
     magics = tuning.AUTOTUNE_MAGIC[dtype] if MAGIC_ENABLED else (0,)
     keep = []
     for c in configs:
@@ -343,7 +343,7 @@ def w8a16_matmul(
     block_m = max(16, tuning.row_bucket(M))  # the row tile of M's bucket
     m_tiles = triton.cdiv(M, block_m)
     ws, counters = _device_scratch(x.device)
-    dtype = str(x.dtype).removeprefix("torch.")
+    dtype = tuning.dtype_name(x.dtype)
     if config == "autotune":
         config = None
     elif config is None:
