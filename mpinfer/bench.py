@@ -55,15 +55,13 @@ def randomize_model(model, *, seed: int = 0) -> None:
 def build_random(
     shape_name: str, kind: str, *, tp_size: int = 1, dtype=torch.float16, device: str = "cuda"
 ):
-    """kind: a quant method, with ":emb8" for int8 embeddings too (e.g. "int8:emb8"), "@bf16"
-    for bf16 activations (e.g. "int8@bf16") and "~ln" for LayerNorms as kernels of their own,
-    not folded into the matmuls after them (e.g. "int8~ln")."""
+    """kind: a quant method, with ":emb8" for int8 embeddings too (e.g. "int8:emb8") and "@bf16"
+    for bf16 activations (e.g. "int8@bf16")."""
     from .config import load_config
     from .layers import TPGroup
     from .loader import build_meta_model
     from .plan import BloomShape
 
-    kind, _, unfold = kind.partition("~")
     kind, _, act = kind.partition("@")
     if act:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[act]
@@ -74,9 +72,6 @@ def build_random(
     tp = TPGroup(0, tp_size)  # tp_size > 1 without a group: one simulated rank
     model = build_meta_model(shape, tp, cfg, dtype).to_empty(device=device)
     randomize_model(model)
-    if unfold == "ln":
-        for block in model.h:
-            block.ln_folds = (None, None)
     return model, shape, tp
 
 
@@ -414,7 +409,6 @@ def markdown(result: dict) -> str:
 
 ROWS = {
     "mpinfer-int8": "int8",
-    "mpinfer-int8-ln-unfolded": "int8~ln",
     "mpinfer-int8-bf16": "int8@bf16",
     "mpinfer-int8+emb8": "int8:emb8",
     "mpinfer-fp16": "none",

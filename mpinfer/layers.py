@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .dist import divide
-from .quant import LayerNormFold, LinearMethod, _empty
+from .quant import LinearMethod, _empty
 
 
 @dataclass(frozen=True)
@@ -64,13 +64,8 @@ class ColumnParallelLinear(nn.Module):
         method.create_weights(self, self.out_features_per_rank, in_features, dtype)
         self.bias = _empty((self.out_features_per_rank,), dtype)
 
-    def forward(
-        self, x: torch.Tensor, *, gelu: bool = False, ln: LayerNormFold | None = None
-    ) -> torch.Tensor:
-        # (..., out_features_per_rank), through BLOOM's GeLU when asked (fused where possible);
-        # with `ln` (the method's fold_layer_norm), x is the input of the LayerNorm before it.
-        if ln is not None:
-            return self.method.apply_folded(self, x, ln, gelu=gelu)
+    def forward(self, x: torch.Tensor, *, gelu: bool = False) -> torch.Tensor:
+        # (..., out_features_per_rank), through BLOOM's GeLU when asked (fused where possible)
         return self.method.apply_fused(self, x, self.bias, gelu=gelu)
 
 

@@ -29,7 +29,7 @@ from .layers import (
     VocabParallelEmbedding,
 )
 from .plan import BloomShape
-from .quant import DenseMethod, LayerNormFold, LinearMethod
+from .quant import DenseMethod, LinearMethod
 
 
 def alibi_slopes(n_head: int) -> torch.Tensor:
@@ -90,10 +90,9 @@ class BloomAttention(nn.Module):
         self.query_key_value = ColumnParallelLinear(h, 3 * h, tp=tp, method=method, dtype=dtype)
         self.dense = RowParallelLinear(h, h, tp=tp, method=method, dtype=dtype)
 
-    def forward(self, x, bias, k_cache, v_cache, slots, positions, kv_len, fused, residual,
-                fold=None):  # fmt: skip
+    def forward(self, x, bias, k_cache, v_cache, slots, positions, kv_len, fused, residual):
         B, T, _ = x.shape
-        qkv = self.query_key_value(x, ln=fold)  # (B, T, heads_per_rank * 3 * head_dim)
+        qkv = self.query_key_value(x)  # (B, T, heads_per_rank * 3 * head_dim)
         if fused is not None:  # one query token per row, on the GPU: one kernel (kernels/)
             from .kernels.attention import decode_attention
 
@@ -129,8 +128,8 @@ class BloomMLP(nn.Module):
         self.dense_h_to_4h = ColumnParallelLinear(h, 4 * h, tp=tp, method=method, dtype=dtype)
         self.dense_4h_to_h = RowParallelLinear(4 * h, h, tp=tp, method=method, dtype=dtype)
 
-    def forward(self, x, residual, fold=None):
-        return self.dense_4h_to_h(self.dense_h_to_4h(x, gelu=True, ln=fold), residual=residual)
+    def forward(self, x, residual):
+        return self.dense_4h_to_h(self.dense_h_to_4h(x, gelu=True), residual=residual)
 
 
 class BloomBlock(nn.Module):
@@ -142,35 +141,16 @@ class BloomBlock(nn.Module):
         self.self_attention = BloomAttention(shape, tp, method, dtype)
         self.post_attention_layernorm = nn.LayerNorm(h, eps=eps, dtype=dtype)
         self.mlp = BloomMLP(shape, tp, method, dtype)
-        # Each LayerNorm folded into the matmul after it, for one-row decode (fold_layer_norms).
-        self.ln_folds: tuple[LayerNormFold | None, LayerNormFold | None] = (None, None)
-
-    def fold_layer_norms(self) -> None:
-        """Fold both LayerNorms into the QKV and h-to-4h matmuls where their method can
-        (quant.LayerNormFold); not when the residual is the LayerNorm's output, which must then
-        exist anyway."""
-        if self.post_ln_residual:
-            return
-        qkv, fc1 = self.self_attention.query_key_value, self.mlp.dense_h_to_4h
-        self.ln_folds = (
-            qkv.method.fold_layer_norm(qkv, self.input_layernorm),
-            fc1.method.fold_layer_norm(fc1, self.post_attention_layernorm),
-        )
 
     def forward(self, x, bias, k_cache, v_cache, slots, positions, kv_len, fused=None):
-        kernels = fused is not None
-        fold_in, fold_post = (
-            self.ln_folds if kernels and x.shape[0] * x.shape[1] == 1 else (None,) * 2
-        )
-        # A folded LayerNorm's matmul takes the LayerNorm's input.
-        ln = x if fold_in is not None else layer_norm(self.input_layernorm, x, kernels)
+        ln = layer_norm(self.input_layernorm, x, fused is not None)
         residual = ln if self.post_ln_residual else x
         # The residual adds ride in the output projections' epilogues (layers.py).
         x = self.self_attention(ln, bias, k_cache, v_cache, slots, positions, kv_len, fused,
-                                residual, fold_in)  # fmt: skip
-        ln = x if fold_post is not None else layer_norm(self.post_attention_layernorm, x, kernels)
+                                residual)  # fmt: skip
+        ln = layer_norm(self.post_attention_layernorm, x, fused is not None)
         residual = ln if self.post_ln_residual else x
-        return self.mlp(ln, residual, fold_post)
+        return self.mlp(ln, residual)
 
 
 class BloomModel(nn.Module):
@@ -198,14 +178,10 @@ class BloomModel(nn.Module):
         self.use_kernels = True
 
     def after_load(self, device: torch.device) -> None:
-        """Per-rank constants that are not weights: this rank's ALiBi slopes, and the folded
-        LayerNorms' weight constants (so the LayerNorm weights must not change after this)."""
+        """Per-rank constants that are not weights: this rank's ALiBi slopes."""
         heads = self.shape.n_head // self.tp.tp_size
         start = self.tp.tp_rank * heads
         self.slopes = alibi_slopes(self.shape.n_head)[start : start + heads].to(device)
-        with torch.no_grad():
-            for block in self.h:
-                block.fold_layer_norms()
 
     def attention_bias(self, positions, valid_from, kv_len):
         """ALiBi + mask, (B, heads_per_rank, T, L): slope * (key position - valid_from)."""

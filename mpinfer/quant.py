@@ -15,9 +15,7 @@ What is not here: slicing (plan.py) and collectives (layers.py).
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -44,46 +42,6 @@ def epilogue(y: torch.Tensor, *, gelu: bool, residual: torch.Tensor | None) -> t
     if gelu:
         y = F.gelu(y, approximate="tanh")
     return y + residual if residual is not None else y
-
-
-@dataclass(frozen=True)
-class LayerNormFold:
-    """A LayerNorm folded into the int8 linear layer after it, for one-row decode on the GPU: the
-    LayerNorm's kernel goes, and the matmul reads its input x instead of LayerNorm(x). With
-    mean m and 1/std r of x, LayerNorm(x) = (x - m) r gamma + beta, so for each output n
-
-        y_n = s_n sum_k LN(x)_k q_nk + bias_n = r (s_n A_n - m G_n) + C_n,
-        A_n = sum_k (x_k gamma_k) q_nk        what the kernel's loop sums (x times gamma)
-        G_n = s_n sum_k gamma_k q_nk          weight constants, made once at load (fold_ln)
-        C_n = s_n sum_k beta_k q_nk + bias_n
-
-    and m, r are needed only in the epilogue, after the weights have streamed: the kernel that
-    finishes a tile reads the row (in L2 by then) for them. G and C are fp32, one value per
-    output of this rank."""
-
-    weight: torch.Tensor  # gamma, (in_features,) in the compute dtype
-    eps: float
-    G: torch.Tensor  # (out_features_per_rank,) fp32
-    C: torch.Tensor  # (out_features_per_rank,) fp32
-
-
-def fold_ln(
-    q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, ln: nn.LayerNorm
-) -> LayerNormFold:
-    """The weight constants of LayerNormFold for int8 rows q with scales `scale`, in fp32, a
-    block of rows at a time (a whole fp32 copy of a 176B weight would be 0.4 GB)."""
-    gamma, beta = ln.weight.float(), ln.bias.float()
-    G = torch.empty(q.shape[0], dtype=torch.float32, device=q.device)
-    C = torch.empty_like(G)
-    for i in range(0, q.shape[0], 4096):
-        block = q[i : i + 4096].float()
-        G[i : i + 4096] = block @ gamma
-        C[i : i + 4096] = block @ beta
-    G *= scale
-    C *= scale
-    if bias is not None:
-        C += bias.float()
-    return LayerNormFold(ln.weight.detach(), ln.eps, G, C)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -119,17 +77,6 @@ class LinearMethod(ABC):
 
     def after_load(self, layer: nn.Module) -> None:
         """Hook once real tensors are in place (e.g. build a backend's state)."""
-
-    def fold_layer_norm(self, layer: nn.Module, ln: nn.LayerNorm) -> LayerNormFold | None:
-        """The LayerNorm before this layer folded into its one-row matmul, where the method has
-        a kernel that takes it (None: the LayerNorm runs on its own)."""
-        return None
-
-    def apply_folded(
-        self, layer: nn.Module, x: torch.Tensor, fold: LayerNormFold, *, gelu: bool = False
-    ) -> torch.Tensor:
-        """`gelu(LayerNorm(x) @ W^T + bias)` with a fold this method's fold_layer_norm made."""
-        raise NotImplementedError(f"{type(self).__name__} folds no LayerNorm")
 
     @abstractmethod
     def weight_rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -173,22 +120,6 @@ class Int8Method(LinearMethod):
                 x, layer.weight, layer.weight_scale, bias, gelu=gelu, residual=residual
             )
         return super().apply_fused(layer, x, bias, gelu=gelu, residual=residual)
-
-    def apply_folded(self, layer, x, fold, *, gelu=False):
-        from .kernels import int8_linear
-
-        return int8_linear(x, layer.weight, layer.weight_scale, None, gelu=gelu, ln=fold)
-
-    def fold_layer_norm(self, layer, ln):
-        # The W8A16 kernel (16-bit activations, CUDA) takes it; MPINFER_FOLD_LN=0 turns it off.
-        if (
-            not (self.use_kernels and layer.weight.is_cuda)
-            or os.environ.get("MPINFER_FOLD_LN", "1") == "0"
-        ):
-            return None
-        if layer.compute_dtype not in (torch.float16, torch.bfloat16):
-            return None
-        return fold_ln(layer.weight, layer.weight_scale, layer.bias, ln)
 
     def weight_rows(self, layer, ids):
         rows = F.embedding(ids, layer.weight).to(layer.compute_dtype)

@@ -41,7 +41,7 @@ tune) table=mpinfer/kernels/tuned/$(python3 -c "import torch; from mpinfer.kerne
       echo "tune: exit $? at ${SECONDS}s"; grep -v '^{' "$OUT/tune.log" | tail -90
       cp "$table" "$OUT/" ;;
 smoke) bench --shape bloom-560m --out "$OUT/gpu-smoke.json" ;;
-quick) bench --shape bloom-7b1 --rows mpinfer-int8,mpinfer-int8-ln-unfolded,mpinfer-int8-bf16 --simulate-tp 8 \
+quick) bench --shape bloom-7b1 --rows mpinfer-int8,mpinfer-int8-bf16 --simulate-tp 8 \
            --out "$OUT/gpu-quick.json" ;;
 full) bench --shape bloom-7b1 --simulate-tp 8 $memory --out "$OUT/gpu-h200.json" ;;
 esac

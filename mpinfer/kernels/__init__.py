@@ -17,7 +17,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..quant import LayerNormFold, epilogue
+from ..quant import epilogue
 from .tuning import ROW_BUCKETS
 
 DECODE_MAX_ROWS = ROW_BUCKETS[-1]
@@ -47,18 +47,14 @@ def int8_linear(
     *,
     gelu: bool = False,
     residual: torch.Tensor | None = None,
-    ln: LayerNormFold | None = None,
 ) -> torch.Tensor:
-    """`gelu((x @ q^T) * scale + bias) + residual` (gelu and residual optional); with `ln`, a
-    LayerNorm folded in (quant.LayerNormFold: one row of 16-bit x, no bias, no residual)."""
+    """`gelu((x @ q^T) * scale + bias) + residual` (gelu and residual optional)."""
     rows = x.numel() // x.shape[-1]
     if x.dtype in (torch.float16, torch.bfloat16) and rows <= DECODE_MAX_ROWS:
         from .w8a16 import w8a16_matmul
 
-        y = w8a16_matmul(x.reshape(rows, x.shape[-1]), q, scale, bias, gelu=gelu,
-                         residual=residual, ln=ln)  # fmt: skip
+        y = w8a16_matmul(x.reshape(rows, x.shape[-1]), q, scale, bias, gelu=gelu, residual=residual)
         return y.reshape(*x.shape[:-1], q.shape[0])
-    assert ln is None, f"a folded LayerNorm needs one row of fp16/bf16, got {rows} of {x.dtype}"
     if x.dtype in (torch.float16, torch.bfloat16):
         from .dequant import dequantize
 

@@ -37,7 +37,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant import LayerNormFold
 from . import sm_count, tuning
 from .tuning import COUNTERS, WORKSPACE_BYTES
 
@@ -78,16 +77,10 @@ def _prune(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _finish(acc, mask, n_idx, y_off, r_off, s_ptr, b_ptr, r_ptr, y_ptr, lnG_ptr, lnC_ptr,
-            sum_x, sum_xx, K, eps, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-            HAS_RES: tl.constexpr, LN: tl.constexpr):  # fmt: skip
+def _finish(acc, mask, n_idx, y_off, r_off, s_ptr, b_ptr, r_ptr, y_ptr,
+            HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
     """The epilogue on a tile of fp32 sums of any shape (index tensors of the same shape)."""
     y = acc * tl.load(s_ptr + n_idx, mask=mask, other=0.0)
-    if LN:  # the sums were of (x gamma) q: LayerNorm's centring and scaling (LayerNormFold)
-        mean = sum_x / K
-        rstd = tl.rsqrt(tl.maximum(sum_xx / K - mean * mean, 0.0) + eps)
-        y = (y - mean * tl.load(lnG_ptr + n_idx, mask=mask, other=0.0)) * rstd
-        y += tl.load(lnC_ptr + n_idx, mask=mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + n_idx, mask=mask, other=0.0).to(tl.float32)
     if ACT:  # tanh GeLU: 0.5 y (1 + tanh(z)) = y * sigmoid(2 z), z = sqrt(2/pi) (y + 0.044715 y^3)
@@ -100,46 +93,23 @@ def _finish(acc, mask, n_idx, y_off, r_off, s_ptr, b_ptr, r_ptr, y_ptr, lnG_ptr,
 @triton.jit
 def _reduce_and_finish(
     acc, mask, n_idx, y_off, r_off, ws_off, tile, pid_k, split_k, ws_stride,
-    s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, lnG_ptr, lnC_ptr, sum_x, sum_xx, K, eps,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, LN: tl.constexpr,
+    s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
 ):  # fmt: skip
     if split_k == 1:
-        _finish(acc, mask, n_idx, y_off, r_off, s_ptr, b_ptr, r_ptr, y_ptr, lnG_ptr, lnC_ptr,
-                sum_x, sum_xx, K, eps, HAS_BIAS, ACT, HAS_RES, LN)  # fmt: skip
+        _finish(acc, mask, n_idx, y_off, r_off, s_ptr, b_ptr, r_ptr, y_ptr, HAS_BIAS, ACT, HAS_RES)
     else:
         tl.store(ws_ptr + pid_k * ws_stride + ws_off, acc, mask=mask)
-        # A folded LayerNorm's row sums over this split's K run, after all splits' partials.
-        st_ptr = ws_ptr + split_k * ws_stride + tile * 2 * split_k
-        if LN:
-            tl.store(st_ptr + 2 * pid_k, sum_x)
-            tl.store(st_ptr + 2 * pid_k + 1, sum_xx)
         tl.debug_barrier()  # every thread's partial is written before the counter moves
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == split_k - 1:  # the last split of this tile: sum all, in split order
             total = tl.load(ws_ptr + ws_off, mask=mask, other=0.0, cache_modifier=".cg")
-            if LN:
-                sum_x = tl.load(st_ptr, cache_modifier=".cg")
-                sum_xx = tl.load(st_ptr + 1, cache_modifier=".cg")
             for s in range(1, split_k):
                 total += tl.load(ws_ptr + s * ws_stride + ws_off, mask=mask, other=0.0,
                                  cache_modifier=".cg")  # fmt: skip
-                if LN:
-                    sum_x += tl.load(st_ptr + 2 * s, cache_modifier=".cg")
-                    sum_xx += tl.load(st_ptr + 2 * s + 1, cache_modifier=".cg")
-            _finish(total, mask, n_idx, y_off, r_off, s_ptr, b_ptr, r_ptr, y_ptr, lnG_ptr,
-                    lnC_ptr, sum_x, sum_xx, K, eps, HAS_BIAS, ACT, HAS_RES, LN)  # fmt: skip
+            _finish(total, mask, n_idx, y_off, r_off, s_ptr, b_ptr, r_ptr, y_ptr,
+                    HAS_BIAS, ACT, HAS_RES)  # fmt: skip
             tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
-
-
-@triton.jit
-def _ln_loads(x_ptr, g_ptr, k, k_hi, BLOCK_K: tl.constexpr):
-    """A folded LayerNorm's loads for one K tile (one row): x's values, for the statistics'
-    sums, and gamma's. The loops issue them before anything waits on a load of the iteration,
-    so that all of its loads are in flight at once: a load issued after a wait (the x tile's
-    trip through shared memory, say) costs every iteration a second memory latency."""
-    kk = k + tl.arange(0, BLOCK_K)
-    ok = kk < k_hi
-    return tl.load(x_ptr + kk, mask=ok, other=0.0), tl.load(g_ptr + kk, mask=ok, other=0.0)
 
 
 # Packed int8 conversions in PTX, four weights per call (MAGIC=2; NVIDIA only). One `xor` makes
@@ -224,10 +194,10 @@ def _bench(fn, quantiles=None, **_):
 @triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
 @triton.jit(do_not_specialize=["split_k", "one_row"])
 def _w8a16(
-    x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, g_ptr, lnG_ptr, lnC_ptr,
-    M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, split_k, one_row, eps,
+    x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, split_k, one_row,
     BLOCK_M: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, LN: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
     USE_DOT: tl.constexpr, SWAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr, MAGIC: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
@@ -251,8 +221,6 @@ def _w8a16(
         m_ok = offs_m[None, :] < M
         xt_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # (BLOCK_K, BLOCK_M)
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        sx = tl.zeros((BLOCK_K,), dtype=tl.float32)  # row 0's sums of x and x^2 (LN only)
-        sxx = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k in range(k_lo, k_hi, BLOCK_K):
             k_ok = (k + tl.arange(0, BLOCK_K))[:, None] < k_hi
             if EVEN_K:
@@ -260,14 +228,7 @@ def _w8a16(
             else:
                 kw_ok = (k + tl.arange(0, BLOCK_K))[None, :] < k_hi
                 w = tl.load(w_ptrs, mask=n_ok & kw_ok, other=0)
-            if LN:
-                row, g = _ln_loads(x_ptr, g_ptr, k, k_hi, BLOCK_K)
             xt = tl.load(xt_ptrs, mask=m_ok & k_ok, other=0.0)
-            if LN:  # x's sums for the statistics, then x gamma
-                row = row.to(tl.float32)
-                sx += row
-                sxx += row * row
-                xt = xt * g[:, None]
             acc_t = tl.dot(_to_compute(w, cdt, MAGIC), xt, acc_t)  # (BLOCK_N, BLOCK_M)
             xt_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
@@ -277,30 +238,20 @@ def _w8a16(
             acc_t, mask, n_idx, offs_m[None, :] * stride_ym + offs_n[:, None],
             offs_m[None, :] * stride_rm + offs_n[:, None], offs_m[None, :] * N + offs_n[:, None],
             tile, pid_k, split_k, M * N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
-            lnG_ptr, lnC_ptr, tl.sum(sx, axis=0), tl.sum(sxx, axis=0), K, eps,
-            HAS_BIAS, ACT, HAS_RES, LN,
+            HAS_BIAS, ACT, HAS_RES,
         )  # fmt: skip
     elif USE_DOT:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = offs_m[:, None] < M
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        sx = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        sxx = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k in range(k_lo, k_hi, BLOCK_K):  # Triton's pipelining keeps loads ahead (stages)
             k_ok = (k + tl.arange(0, BLOCK_K))[None, :] < k_hi
             if EVEN_K:
                 w = tl.load(w_ptrs, mask=n_ok, other=0)
             else:
                 w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0)
-            if LN:
-                row, g = _ln_loads(x_ptr, g_ptr, k, k_hi, BLOCK_K)
             x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)  # (BLOCK_M, BLOCK_K)
-            if LN:
-                row = row.to(tl.float32)
-                sx += row
-                sxx += row * row
-                x = x * g[None, :]
             acc = tl.dot(x, tl.trans(_to_compute(w, cdt, MAGIC)), acc)  # (BLOCK_M, BLOCK_N)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
@@ -310,13 +261,10 @@ def _w8a16(
             acc, mask, n_idx, offs_m[:, None] * stride_ym + offs_n[None, :],
             offs_m[:, None] * stride_rm + offs_n[None, :], offs_m[:, None] * N + offs_n[None, :],
             tile, pid_k, split_k, M * N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
-            lnG_ptr, lnC_ptr, tl.sum(sx, axis=0), tl.sum(sxx, axis=0), K, eps,
-            HAS_BIAS, ACT, HAS_RES, LN,
+            HAS_BIAS, ACT, HAS_RES,
         )  # fmt: skip
     else:  # one row
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        sx = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        sxx = tl.zeros((BLOCK_K,), dtype=tl.float32)
         if PREFETCH:
             w_next = tl.load(w_ptrs, mask=n_ok & (offs_k[None, :] < k_hi), other=0)
         for k in range(k_lo, k_hi, BLOCK_K):
@@ -328,11 +276,6 @@ def _w8a16(
             else:
                 w = tl.load(w_ptrs, mask=n_ok & (kk[None, :] < k_hi), other=0)
             x = tl.load(x_ptr + kk, mask=kk < k_hi, other=0.0).to(tl.float32)
-            if LN:  # x's sums for the statistics, then x gamma (gamma loaded before any wait)
-                g = tl.load(g_ptr + kk, mask=kk < k_hi, other=0.0).to(tl.float32)
-                sx += x
-                sxx += x * x
-                x *= g
             wf = _to_compute(w, tl.float32, MAGIC)
             acc2 += wf * x[None, :]
             w_ptrs += BLOCK_K
@@ -341,8 +284,7 @@ def _w8a16(
         _reduce_and_finish(
             acc, mask, offs_n, offs_n, offs_n, offs_n,
             tile, pid_k, split_k, N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
-            lnG_ptr, lnC_ptr, tl.sum(sx, axis=0), tl.sum(sxx, axis=0), K, eps,
-            HAS_BIAS, ACT, HAS_RES, LN,
+            HAS_BIAS, ACT, HAS_RES,
         )  # fmt: skip
 
 
@@ -385,17 +327,14 @@ def w8a16_matmul(
     *,
     gelu: bool = False,
     residual: torch.Tensor | None = None,
-    ln: LayerNormFold | None = None,
     config: str | None = None,
 ) -> torch.Tensor:
     """The fused W8A16 matmul with `config` (a tuning.py config name), else the tuned table's
     config for this GPU and shape, else the autotuner's (config="autotune": the autotuner's
-    even where the table has the launch). With `ln` (one row only), x is the LayerNorm's input
-    and the matmul's is LayerNorm(x): see LayerNormFold."""
+    even where the table has the launch)."""
     M, K = x.shape
     N = q.shape[0]
     assert q.shape[1] == K and q.dtype == torch.int8 and q.is_contiguous()
-    assert ln is None or (M == 1 and bias is None), "a folded LayerNorm: one row, bias in C"
     x = x.contiguous()
     if residual is not None:
         residual = residual.reshape(M, N)
@@ -414,22 +353,18 @@ def w8a16_matmul(
     args = (
         x, q, scale, bias if bias is not None else scale,
         residual if residual is not None else y, y, ws, counters,
-        *((ln.weight, ln.G, ln.C) if ln is not None else (scale, scale, scale)),
         M, N, K, x.stride(0), q.stride(0), y.stride(0),
         residual.stride(0) if residual is not None else 0,
     )  # fmt: skip
     # The one-row loop (USE_DOT=0) is right for M == 1 only: one row is its own tuning key, apart
     # from 2..16 rows, so a config tuned for one row is never reused for more.
-    flags = dict(one_row=int(M == 1), eps=ln.eps if ln is not None else 0.0, BLOCK_M=block_m,
-                 HAS_BIAS=bias is not None, ACT=gelu, HAS_RES=residual is not None,
-                 LN=ln is not None)  # fmt: skip
+    flags = dict(one_row=int(M == 1), BLOCK_M=block_m, HAS_BIAS=bias is not None, ACT=gelu,
+                 HAS_RES=residual is not None)  # fmt: skip
 
     def grid(meta):
         n_tiles = triton.cdiv(N, meta["BLOCK_N"])
         assert n_tiles * m_tiles <= COUNTERS, "more output tiles than split-K counters"
         assert meta["USE_DOT"] or M == 1, "the one-row loop picked for several rows"
-        # a folded LayerNorm's split sums follow the partials
-        assert ln is None or (N + 2 * n_tiles) * meta["split_k"] <= ws.numel(), "workspace"
         return (n_tiles, meta["split_k"], m_tiles if meta["USE_DOT"] else 1)
 
     if config is None:
