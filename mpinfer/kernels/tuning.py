@@ -98,6 +98,7 @@ def names(families, splits, dtype: str, magic=None) -> list[str]:
 
 def row_bucket(rows: int) -> int:
     """The tuning bucket of a launch with this many rows: 1, then the row tile (16, 32, 64)."""
+    assert rows <= ROW_BUCKETS[-1], f"{rows} rows: more than a decode launch has"
     return next(b for b in ROW_BUCKETS if b >= rows)
 
 
