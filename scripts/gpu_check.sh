@@ -47,7 +47,7 @@ sk)   # stream-K: its GPU tests first, then its configs against the table's, per
           -k "stream_k or family or matches_reference" 2>&1 | tail -5
       table=mpinfer/kernels/tuned/$(python3 -c "import torch; from mpinfer.kernels.tuning \
           import slug; print(slug(torch.cuda.get_device_name()))").json
-      timeout "$(($(left) - 150))" python3 -m mpinfer.cli bench kernels --tune "$table" \
+      timeout "$(($(left) - 100))" python3 -m mpinfer.cli bench kernels --tune "$table" \
           --only-sk --rows 1,16,32 --bf16-rows 1,32 --out "$OUT/kernels-h200-sk.json" \
           > "$OUT/tune.log" 2>&1
       echo "sk tune: exit $? at ${SECONDS}s"; grep -v '^{' "$OUT/tune.log" | tail -60
