@@ -178,15 +178,13 @@ def _compile(task) -> str | None:
     return None
 
 
-def tune(shapes: dict, keys: list, l2_bytes: int, table_path: str, vs_autotune: bool,
-         only_sk: bool = False) -> dict:  # fmt: skip
+def tune(shapes: dict, keys: list, l2_bytes: int, table_path: str, vs_autotune: bool) -> dict:
     """Time every legal sweep config (tuning.SWEEP_FAMILIES x SWEEP_SPLITS) of each launch in a
     CUDA graph with the weight from HBM, re-time the five fastest and the autotuner's pick four
     times more (interleaved), keep the lowest median; write the winners as the GPU's table.
     shapes: name -> (N, K, epilogue) as model_shapes gives; keys: (shape name, M, dtype)
     triples. The table is rewritten after every key, so a run that runs out of time keeps what
-    it finished. only_sk: the candidates are the stream-K configs (with the autotuner's
-    conversions) and the table's present config of the launch, which stays unless one beats it."""
+    it finished."""
     import multiprocessing as mp
     import os
     import time
@@ -199,12 +197,8 @@ def tune(shapes: dict, keys: list, l2_bytes: int, table_path: str, vs_autotune: 
     for shape, M, dtype in keys:
         N, K, epi = shapes[shape]
         dt = tuning.dtype_name(dtype)
-        if only_sk:
-            cands = tuning.names(tuning.SK_FAMILIES, (), dt, tuning.AUTOTUNE_MAGIC[dt])
-            cands += [c for c in [tuning.lookup(gpu, dt, M, N, K)] if c]
-        else:
-            cands = tuning.names(tuning.SWEEP_FAMILIES, tuning.SWEEP_SPLITS, dt)
-        cands = [c for c in cands if not tuning.illegal(c, M, N, K, dt)]
+        cands = [c for c in tuning.names(tuning.SWEEP_FAMILIES, tuning.SWEEP_SPLITS, dt)
+                 if not tuning.illegal(c, M, N, K, dt)]  # fmt: skip
         plan.append((shape, N, K, epi, M, dtype, dt, cands))
     # Compile every variant in parallel first (one per family, row count, dtype and epilogue:
     # the split is a runtime argument, and N and K only matter through K % BLOCK_K).
@@ -247,8 +241,8 @@ def _variant(shape, K, epi, M, dt, config) -> tuple:
     from .kernels import tuning
 
     kw, w, st = tuning.parse(config)
-    family = (kw["USE_DOT"], kw["SWAP"], kw.get("STREAM", 0), kw["BLOCK_N"], kw["BLOCK_K"],
-              kw["PREFETCH"], kw["MAGIC"], w, st, K % kw["BLOCK_K"] == 0)  # fmt: skip
+    family = (kw["USE_DOT"], kw["SWAP"], kw["BLOCK_N"], kw["BLOCK_K"], kw["PREFETCH"],
+              kw["MAGIC"], w, st, K % kw["BLOCK_K"] == 0)  # fmt: skip
     return (dt, M, epi, shape.endswith("lm_head"), family)
 
 
@@ -439,9 +433,6 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tune", metavar="TABLE", help="sweep every config of each launch and write "
                    "the winners as this GPU's table (mpinfer/kernels/tuned/<gpu>.json to ship "
                    "it) instead of the comparison with cuBLAS")  # fmt: skip
-    p.add_argument("--only-sk", action="store_true",
-                   help="with --tune: try only the stream-K configs against the table's "
-                   "present config of each launch")  # fmt: skip
     p.add_argument("--vs-autotune", action="store_true",
                    help="with --tune: also time the autotuner's pick of each launch")  # fmt: skip
     p.add_argument("--attention", action="store_true",
@@ -472,8 +463,7 @@ def main(argv: list[str]) -> int:
         return 0
     if a.tune:
         keys = [(name, M, dt) for M, dt in runs for name in names]
-        result = {"machine": machine(),
-                  **tune(shapes, keys, l2, a.tune, a.vs_autotune, a.only_sk)}  # fmt: skip
+        result = {"machine": machine(), **tune(shapes, keys, l2, a.tune, a.vs_autotune)}
         save_result(result, a.out, tune_markdown(result))
         return 0
     ceil = measure_ceilings()

@@ -9,8 +9,7 @@
 # shape, the simulated tp-8 rank and (unless NO_MEMORY=1) the memory planner against the GPU;
 # tune = sweep the W8A16 configs of every matmul shape of both models at 1, 8, 32 and 64 rows
 # into this GPU's table (mpinfer/kernels/tuned/<gpu>.json, copied to $OUT to ship), then the
-# GPU tests, which run on the new table; sk = the stream-K configs' tests, their sweep against
-# the table's configs into the table, and the quick rows on it.
+# GPU tests, which run on the new table.
 # Every stage has a time limit, so one that hangs still leaves the others' results under $OUT.
 set -uo pipefail
 mode=${1:-full}
@@ -41,20 +40,6 @@ tune) table=mpinfer/kernels/tuned/$(python3 -c "import torch; from mpinfer.kerne
           --out "$OUT/kernels-h200-tune.json" > "$OUT/tune.log" 2>&1
       echo "tune: exit $? at ${SECONDS}s"; grep -v '^{' "$OUT/tune.log" | tail -90
       cp "$table" "$OUT/" ;;
-sk)   # stream-K: its GPU tests first, then its configs against the table's, per launch (the
-      # table keeps a launch's config unless one beats it), then the step on the new table
-      timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
-          -k "stream_k or family or matches_reference" 2>&1 | tail -5
-      table=mpinfer/kernels/tuned/$(python3 -c "import torch; from mpinfer.kernels.tuning \
-          import slug; print(slug(torch.cuda.get_device_name()))").json
-      timeout "$(($(left) - 100))" python3 -m mpinfer.cli bench kernels --tune "$table" \
-          --only-sk --rows 1,16,32 --bf16-rows 1,32 --out "$OUT/kernels-h200-sk.json" \
-          > "$OUT/tune.log" 2>&1
-      echo "sk tune: exit $? at ${SECONDS}s"; grep -v '^{' "$OUT/tune.log" | tail -60
-      cp "$table" "$OUT/"
-      GPU_TIMEOUT=$(($(left) - 5)) bench --shape bloom-7b1 --rows mpinfer-int8,mpinfer-int8-bf16 \
-          --simulate-tp 8 --out "$OUT/gpu-quick.json"
-      exit 0 ;;
 smoke) bench --shape bloom-560m --out "$OUT/gpu-smoke.json" ;;
 quick) bench --shape bloom-7b1 --rows mpinfer-int8,mpinfer-int8-bf16 --simulate-tp 8 \
            --out "$OUT/gpu-quick.json" ;;

@@ -36,33 +36,6 @@ def test_a_bad_config_name_is_refused_by_name(bad):
         tuning.parse(bad)
 
 
-@pytest.mark.parametrize("bad", ["sk n64 k256 split3 pf0 magic2 w4 s3",
-                                 "dot n64 k256 sm3 pf0 magic2 w4 s3"])  # fmt: skip
-def test_programs_per_sm_go_with_stream_k_only(bad):
-    with pytest.raises(ValueError, match="goes with the sk loop only"):
-        tuning.parse(bad)
-
-
-def test_stream_k_workspace_bound_holds_for_every_cut():
-    """sk_slots bounds how many programs' runs share one tile (each writes a partial tile to
-    the workspace): checked against the kernel's own cut (program p's run starts at p T // P)
-    for every tile count, K-step count and program count in a grid, P never above T."""
-    for tiles in (1, 2, 3, 7, 40):
-        for steps in (1, 2, 5, 16, 56):
-            T = tiles * steps
-            for P in range(1, min(T, 300) + 1):
-                starts = [p * T // P for p in range(P + 1)]
-                most = max(
-                    sum(
-                        1
-                        for p in range(P)
-                        if starts[p] < (t + 1) * steps and starts[p + 1] > t * steps
-                    )
-                    for t in range(tiles)
-                )
-                assert most <= tuning.sk_slots(steps, T // P), (tiles, steps, P)
-
-
 @pytest.mark.parametrize(
     "config, rows, N, K, dtype, why",
     [("fma n8 k512 split1 pf1 magic0 w4 s1", 2, 4096, 4096, "float16", "one row"),
@@ -72,10 +45,7 @@ def test_stream_k_workspace_bound_holds_for_every_cut():
      ("dot n64 k256 split8 pf0 magic0 w4 s3", 1, 4096, 1792, "float16", "shorter than one"),
      ("dot n64 k256 split4 pf0 magic0 w4 s3", 1, 4096, 1792, "float16", None),
      ("fma n8 k512 split1 pf1 magic1 w4 s1", 1, 250880, 4096, "float16", None),
-     ("dot n64 k128 split1 pf0 magic2 w4 s3", 1, 4096, 4096, "bfloat16", None),
-     ("sk n64 k256 sm3 pf0 magic2 w4 s3", 64, 250880, 4096, "float16", "stream-K partials"),
-     ("sk n64 k256 sm3 pf0 magic2 w4 s3", 1, 250880, 4096, "float16", None),
-     ("sk n32 k256 sm2 pf0 magic1 w4 s3", 1, 4096, 4096, "bfloat16", "fp16 only")],
+     ("dot n64 k128 split1 pf0 magic2 w4 s3", 1, 4096, 4096, "bfloat16", None)],
 )  # fmt: skip
 def test_illegal_names_what_stops_a_config(config, rows, N, K, dtype, why):
     got = tuning.illegal(config, rows, N, K, dtype)

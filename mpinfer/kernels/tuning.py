@@ -3,10 +3,9 @@ Free of Triton, so that CPU CI (which has none) checks every shipped table.
 
 A config's name is its loop and its Triton meta-parameters, e.g. "dot n64 k128 split4 pf0 magic2
 w4 s3": loop (dot: tensor cores; swap: tensor cores with the weight tile as the left operand;
-fma: the one-row elementwise loop; sk: the dot loop in stream-K order), BLOCK_N, BLOCK_K, split-K
-(for sk "smP": P programs per SM instead), PREFETCH, MAGIC (how int8 becomes float: 0 the
-conversion unit via fp32, 1 the fp16 bit trick in Triton ops, fp16 only, 2 the bit trick in
-packed PTX, four weights at a time), num_warps, num_stages.
+fma: the one-row elementwise loop), BLOCK_N, BLOCK_K, split-K, PREFETCH, MAGIC (how int8 becomes
+float: 0 the conversion unit via fp32, 1 the fp16 bit trick in Triton ops, fp16 only, 2 the bit
+trick in packed PTX, four weights at a time), num_warps, num_stages.
 
 Why tables: the autotuner times each candidate once per process with Triton's timer (one launch
 between L2 flushes), whose run-to-run spread (several microseconds on a 10-40 us kernel) is larger
@@ -52,17 +51,8 @@ SWEEP_FAMILIES = AUTOTUNE_FAMILIES + [
     ("dot", 128, 128, 8, 3, 0), ("swap", 64, 256, 4, 3, 0), ("fma", 16, 512, 4, 1, 1),
 ]  # fmt: skip
 SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
-# Stream-K (w8a16._w8a16_sk): the launch's tile x K-step iterations cut into equal runs, one per
-# program, SK_PER_SM programs per SM (at most SK_MAX_PROGRAMS), so no last wave runs half empty.
-# Tables only (the autotuner tunes the split-K kernel); the sweep tries them beside the others.
-SK_FAMILIES = [("sk", 64, 256, 4, 3, 0), ("sk", 64, 128, 4, 4, 0), ("sk", 32, 256, 4, 3, 0)]
-SK_PER_SM = (1, 2, 3, 4)
-SK_MAX_PROGRAMS = 1024
-SWEEP_FAMILIES += SK_FAMILIES
 
-_NAME = re.compile(
-    r"(dot|swap|fma|sk) n(\d+) k(\d+) (split|sm)(\d+) pf([01]) magic([012]) w(\d+) s(\d+)"
-)
+_NAME = re.compile(r"(dot|swap|fma) n(\d+) k(\d+) split(\d+) pf([01]) magic([012]) w(\d+) s(\d+)")
 
 
 @functools.cache
@@ -72,25 +62,15 @@ def parse(name: str) -> tuple[dict, int, int]:
     if not m:
         raise ValueError(f"not a W8A16 config name: {name!r} (e.g. 'dot n64 k128 split4 pf0 "
                          "magic0 w4 s3')")  # fmt: skip
-    loop, bn, bk, field, split, pf, magic, w, s = m.groups()
-    if (field == "sm") != (loop == "sk"):
-        raise ValueError(f"{name!r}: 'smP' (programs per SM) goes with the sk loop only, "
-                         "'splitS' with the others")  # fmt: skip
+    loop, bn, bk, split, pf, magic, w, s = m.groups()
     kw = dict(USE_DOT=int(loop != "fma"), SWAP=int(loop == "swap"), BLOCK_N=int(bn),
-              BLOCK_K=int(bk), split_k=1 if loop == "sk" else int(split), PREFETCH=int(pf),
-              MAGIC=int(magic))  # fmt: skip
-    if loop == "sk":  # not meta-parameters of the split-K kernel: only sk configs have them
-        kw.update(STREAM=1, PER_SM=int(split))
+              BLOCK_K=int(bk), split_k=int(split), PREFETCH=int(pf), MAGIC=int(magic))  # fmt: skip
     return kw, int(w), int(s)
 
 
 def name(kw: dict, num_warps: int, num_stages: int) -> str:
-    if kw.get("STREAM"):
-        loop, part = "sk", f"sm{kw['PER_SM']}"
-    else:
-        loop = ("swap" if kw.get("SWAP") else "dot") if kw["USE_DOT"] else "fma"
-        part = f"split{kw['split_k']}"
-    return (f"{loop} n{kw['BLOCK_N']} k{kw['BLOCK_K']} {part} pf{kw['PREFETCH']} "
+    loop = ("swap" if kw.get("SWAP") else "dot") if kw["USE_DOT"] else "fma"
+    return (f"{loop} n{kw['BLOCK_N']} k{kw['BLOCK_K']} split{kw['split_k']} pf{kw['PREFETCH']} "
             f"magic{kw.get('MAGIC', 0)} w{num_warps} s{num_stages}")  # fmt: skip
 
 
@@ -105,21 +85,15 @@ def magics(dtype: str) -> tuple[int, ...]:
 
 
 def names(families, splits, dtype: str, magic=None) -> list[str]:
-    """Every config of these families and splits (sk families: of SK_PER_SM programs per SM),
-    with every conversion `dtype` allows (or those of `magic` only)."""
+    """Every config of these families and splits, with every conversion `dtype` allows (or
+    those of `magic` only)."""
     return [
-        f"{loop} n{bn} k{bk} {'sm' if loop == 'sk' else 'split'}{split} pf{pf} magic{m} w{w} s{s}"
+        f"{loop} n{bn} k{bk} split{split} pf{pf} magic{m} w{w} s{s}"
         for loop, bn, bk, w, s, pf in families
-        for split in (SK_PER_SM if loop == "sk" else splits)
+        for split in splits
         for m in magics(dtype)
         if magic is None or m in magic
     ]
-
-
-def sk_slots(steps: int, run: int) -> int:
-    """The most stream-K runs that can share one tile of `steps` K steps, runs being at least
-    `run` steps long: the workspace holds one partial tile for each."""
-    return min(steps, -(-steps // max(1, run)) + 1)
 
 
 def row_bucket(rows: int) -> int:
@@ -137,11 +111,6 @@ def illegal(name_: str, rows: int, N: int, K: int, dtype: str) -> str | None:
     """Why this config cannot run a launch of rows x K by N (None if it can)."""
     kw, _, _ = parse(name_)
     split, bn, bk = kw["split_k"], kw["BLOCK_N"], kw["BLOCK_K"]
-    if kw.get("STREAM"):
-        steps = -(-K // bk)
-        slots = sk_slots(steps, -(-N // bn) * steps // SK_MAX_PROGRAMS)
-        if slots * rows * N * 4 > WORKSPACE_BYTES:
-            return f"stream-K partials over the {WORKSPACE_BYTES >> 20} MiB workspace"
     if not kw["USE_DOT"] and rows != 1:
         return "the fma loop computes one row"
     if kw["SWAP"] and rows == 1:

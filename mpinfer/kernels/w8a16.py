@@ -288,64 +288,6 @@ def _w8a16(
         )  # fmt: skip
 
 
-@triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
-@triton.jit
-def _w8a16_sk(
-    x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
-    M, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
-    BLOCK_M: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, EVEN_K: tl.constexpr,
-):  # fmt: skip
-    """Stream-K ("sk" configs): the launch's T = tiles x K steps, taken tile by tile, are cut
-    into one equal run per program (P programs: a few per SM, all resident at once), so every
-    program reads the same number of weight bytes and the GPU empties at once, where split-K's
-    whole tiles leave a last wave of a few programs (the tail). A run may end inside a tile and
-    the next one go on with it; the tile's partial sums then meet as split-K's do, in run order
-    (deterministic), and the last to arrive applies the epilogue."""
-    p = tl.program_id(0)
-    P = tl.num_programs(0)
-    k_steps = tl.cdiv(K, BLOCK_K)
-    T = tl.cdiv(N, BLOCK_N) * k_steps
-    lo = p * T // P
-    hi = (p + 1) * T // P
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m[:, None] < M
-    cdt = x_ptr.dtype.element_ty
-    for tile in range(lo // k_steps, (hi - 1) // k_steps + 1):
-        t_lo = tile * k_steps
-        k_lo = (tl.maximum(lo, t_lo) - t_lo) * BLOCK_K
-        k_hi = (tl.minimum(hi, t_lo + k_steps) - t_lo) * BLOCK_K
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n[:, None] < N
-        offs_k = k_lo + tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(k_lo, k_hi, BLOCK_K):  # pipelined (num_stages) as the dot loop is
-            k_ok = (k + tl.arange(0, BLOCK_K))[None, :] < K
-            if EVEN_K:
-                w = tl.load(w_ptrs, mask=n_ok, other=0)
-            else:
-                w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0)
-            x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)
-            acc = tl.dot(x, tl.trans(_to_compute(w, cdt, MAGIC)), acc)
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        # The programs whose runs hold the tile's first and last step: program q's run starts
-        # at q T // P, so the run holding step i is ceil((i + 1) P / T) - 1.
-        first = ((t_lo + 1) * P + T - 1) // T - 1
-        last = ((t_lo + k_steps) * P + T - 1) // T - 1
-        mask = m_ok & (offs_n[None, :] < N)
-        n_idx = offs_n[None, :] + 0 * offs_m[:, None]
-        _reduce_and_finish(
-            acc, mask, n_idx, offs_m[:, None] * stride_ym + offs_n[None, :],
-            offs_m[:, None] * stride_rm + offs_n[None, :], offs_m[:, None] * N + offs_n[None, :],
-            tile, p - first, last - first + 1, M * N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr,
-            cnt_ptr, HAS_BIAS, ACT, HAS_RES,
-        )  # fmt: skip
-
-
 # Launches the table has no config for: autotuned per (row bucket, N, K).
 _w8a16_kernel = triton.autotune(
     configs=_configs(), key=["BLOCK_M", "one_row", "N", "K"], do_bench=_bench,
@@ -427,20 +369,7 @@ def w8a16_matmul(
 
     if config is None:
         _w8a16_kernel[grid](*args, **flags)
-        return y
-    kw, warps, stages = tuning.parse(config)
-    if kw.get("STREAM"):
-        steps = triton.cdiv(K, kw["BLOCK_K"])
-        tiles = triton.cdiv(N, kw["BLOCK_N"])
-        assert tiles <= COUNTERS, "more output tiles than split-K counters"
-        programs = min(kw["PER_SM"] * sm_count(_index(x.device)), tiles * steps,
-                       tuning.SK_MAX_PROGRAMS)  # fmt: skip
-        assert tuning.sk_slots(steps, tiles * steps // programs) * M * N * 4 <= ws.numel() * 4
-        _w8a16_sk[(programs,)](
-            *args, BLOCK_M=block_m, HAS_BIAS=flags["HAS_BIAS"], ACT=gelu,
-            HAS_RES=flags["HAS_RES"], BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"],
-            MAGIC=kw["MAGIC"], num_warps=warps, num_stages=stages,
-        )  # fmt: skip
-        return y
-    _w8a16[grid(kw)](*args, **flags, **kw, num_warps=warps, num_stages=stages)
+    else:
+        kw, warps, stages = tuning.parse(config)
+        _w8a16[grid(kw)](*args, **flags, **kw, num_warps=warps, num_stages=stages)
     return y
