@@ -122,7 +122,6 @@ def test_every_config_family_split_k(dtype):
                     MAGIC=kw["MAGIC"], USE_DOT=kw["USE_DOT"], SWAP=kw["SWAP"],
                     BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"],
                     PREFETCH=kw["PREFETCH"], EVEN_K=K % kw["BLOCK_K"] == 0,
-                    EARLY_EPI=w8a16.EARLY_EPILOGUE,
                     num_warps=num_warps, num_stages=num_stages,
                 )  # fmt: skip
                 err = (y.float() - ref).abs().max().item() / ref.abs().max().item()

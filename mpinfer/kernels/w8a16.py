@@ -42,9 +42,6 @@ from .tuning import COUNTERS, WORKSPACE_BYTES
 
 # MPINFER_INT8_MAGIC=0 keeps the autotuner to the conversion through fp32 (a diagnostic switch).
 MAGIC_ENABLED = os.environ.get("MPINFER_INT8_MAGIC", "1") != "0"
-# MPINFER_EARLY_EPILOGUE=0 loads the epilogue's operands after the main loop (a diagnostic switch;
-# see _epilogue_operands).
-EARLY_EPILOGUE = int(os.environ.get("MPINFER_EARLY_EPILOGUE", "1") != "0")
 
 
 def _configs() -> list[triton.Config]:
@@ -80,43 +77,27 @@ def _prune(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _epilogue_operands(mask, n_idx, r_off, s_ptr, b_ptr, r_ptr,
-                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
-    """The epilogue's loads (scale, bias, residual; the last two the scale where absent), on a
-    tile of any shape. The kernel issues them before its main loop (EARLY_EPILOGUE), so that
-    their trip to HBM (these small arrays leave the L2 as a step streams its weights through)
-    overlaps the loop instead of stalling every program once more at its end."""
-    sc = tl.load(s_ptr + n_idx, mask=mask, other=0.0)
-    bi = sc
-    re = sc
-    if HAS_BIAS:
-        bi = tl.load(b_ptr + n_idx, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        re = tl.load(r_ptr + r_off, mask=mask, other=0.0).to(tl.float32)
-    return sc, bi, re
-
-
-@triton.jit
-def _finish(acc, mask, y_off, sc, bi, re, y_ptr,
+def _finish(acc, mask, n_idx, y_off, r_off, s_ptr, b_ptr, r_ptr, y_ptr,
             HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
-    """The epilogue on a tile of fp32 sums of any shape (operands of the same shape)."""
-    y = acc * sc
+    """The epilogue on a tile of fp32 sums of any shape (index tensors of the same shape)."""
+    y = acc * tl.load(s_ptr + n_idx, mask=mask, other=0.0)
     if HAS_BIAS:
-        y += bi
+        y += tl.load(b_ptr + n_idx, mask=mask, other=0.0).to(tl.float32)
     if ACT:  # tanh GeLU: 0.5 y (1 + tanh(z)) = y * sigmoid(2 z), z = sqrt(2/pi) (y + 0.044715 y^3)
         y = y * tl.sigmoid(1.5957691216057308 * (y + 0.044715 * y * y * y))
     if HAS_RES:
-        y += re
+        y += tl.load(r_ptr + r_off, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + y_off, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _reduce_and_finish(
-    acc, mask, y_off, ws_off, tile, pid_k, split_k, ws_stride, sc, bi, re, y_ptr, ws_ptr, cnt_ptr,
+    acc, mask, n_idx, y_off, r_off, ws_off, tile, pid_k, split_k, ws_stride,
+    s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
 ):  # fmt: skip
     if split_k == 1:
-        _finish(acc, mask, y_off, sc, bi, re, y_ptr, HAS_BIAS, ACT, HAS_RES)
+        _finish(acc, mask, n_idx, y_off, r_off, s_ptr, b_ptr, r_ptr, y_ptr, HAS_BIAS, ACT, HAS_RES)
     else:
         tl.store(ws_ptr + pid_k * ws_stride + ws_off, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the counter moves
@@ -126,7 +107,8 @@ def _reduce_and_finish(
             for s in range(1, split_k):
                 total += tl.load(ws_ptr + s * ws_stride + ws_off, mask=mask, other=0.0,
                                  cache_modifier=".cg")  # fmt: skip
-            _finish(total, mask, y_off, sc, bi, re, y_ptr, HAS_BIAS, ACT, HAS_RES)
+            _finish(total, mask, n_idx, y_off, r_off, s_ptr, b_ptr, r_ptr, y_ptr,
+                    HAS_BIAS, ACT, HAS_RES)  # fmt: skip
             tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
 
 
@@ -218,7 +200,6 @@ def _w8a16(
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
     USE_DOT: tl.constexpr, SWAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr, MAGIC: tl.constexpr, EVEN_K: tl.constexpr,
-    EARLY_EPI: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -239,12 +220,6 @@ def _w8a16(
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = offs_m[None, :] < M
         xt_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # (BLOCK_K, BLOCK_M)
-        mask = (offs_n[:, None] < N) & m_ok
-        n_idx = offs_n[:, None] + 0 * offs_m[None, :]
-        r_off = offs_m[None, :] * stride_rm + offs_n[:, None]
-        if EARLY_EPI:
-            sc, bi, re = _epilogue_operands(mask, n_idx, r_off, s_ptr, b_ptr, r_ptr, HAS_BIAS,
-                                            HAS_RES)  # fmt: skip
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k in range(k_lo, k_hi, BLOCK_K):
             k_ok = (k + tl.arange(0, BLOCK_K))[:, None] < k_hi
@@ -257,24 +232,18 @@ def _w8a16(
             acc_t = tl.dot(_to_compute(w, cdt, MAGIC), xt, acc_t)  # (BLOCK_N, BLOCK_M)
             xt_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        if not EARLY_EPI:
-            sc, bi, re = _epilogue_operands(mask, n_idx, r_off, s_ptr, b_ptr, r_ptr, HAS_BIAS,
-                                            HAS_RES)  # fmt: skip
+        mask = (offs_n[:, None] < N) & m_ok
+        n_idx = offs_n[:, None] + 0 * offs_m[None, :]
         _reduce_and_finish(
-            acc_t, mask, offs_m[None, :] * stride_ym + offs_n[:, None],
-            offs_m[None, :] * N + offs_n[:, None], tile, pid_k, split_k, M * N, sc, bi, re,
-            y_ptr, ws_ptr, cnt_ptr, HAS_BIAS, ACT, HAS_RES,
+            acc_t, mask, n_idx, offs_m[None, :] * stride_ym + offs_n[:, None],
+            offs_m[None, :] * stride_rm + offs_n[:, None], offs_m[None, :] * N + offs_n[:, None],
+            tile, pid_k, split_k, M * N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
+            HAS_BIAS, ACT, HAS_RES,
         )  # fmt: skip
     elif USE_DOT:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = offs_m[:, None] < M
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-        mask = m_ok & (offs_n[None, :] < N)
-        n_idx = offs_n[None, :] + 0 * offs_m[:, None]
-        r_off = offs_m[:, None] * stride_rm + offs_n[None, :]
-        if EARLY_EPI:
-            sc, bi, re = _epilogue_operands(mask, n_idx, r_off, s_ptr, b_ptr, r_ptr, HAS_BIAS,
-                                            HAS_RES)  # fmt: skip
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(k_lo, k_hi, BLOCK_K):  # Triton's pipelining keeps loads ahead (stages)
             k_ok = (k + tl.arange(0, BLOCK_K))[None, :] < k_hi
@@ -286,19 +255,15 @@ def _w8a16(
             acc = tl.dot(x, tl.trans(_to_compute(w, cdt, MAGIC)), acc)  # (BLOCK_M, BLOCK_N)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        if not EARLY_EPI:
-            sc, bi, re = _epilogue_operands(mask, n_idx, r_off, s_ptr, b_ptr, r_ptr, HAS_BIAS,
-                                            HAS_RES)  # fmt: skip
+        mask = m_ok & (offs_n[None, :] < N)
+        n_idx = offs_n[None, :] + 0 * offs_m[:, None]
         _reduce_and_finish(
-            acc, mask, offs_m[:, None] * stride_ym + offs_n[None, :],
-            offs_m[:, None] * N + offs_n[None, :], tile, pid_k, split_k, M * N, sc, bi, re,
-            y_ptr, ws_ptr, cnt_ptr, HAS_BIAS, ACT, HAS_RES,
+            acc, mask, n_idx, offs_m[:, None] * stride_ym + offs_n[None, :],
+            offs_m[:, None] * stride_rm + offs_n[None, :], offs_m[:, None] * N + offs_n[None, :],
+            tile, pid_k, split_k, M * N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
+            HAS_BIAS, ACT, HAS_RES,
         )  # fmt: skip
     else:  # one row
-        mask = offs_n < N
-        if EARLY_EPI:
-            sc, bi, re = _epilogue_operands(mask, offs_n, offs_n, s_ptr, b_ptr, r_ptr, HAS_BIAS,
-                                            HAS_RES)  # fmt: skip
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         if PREFETCH:
             w_next = tl.load(w_ptrs, mask=n_ok & (offs_k[None, :] < k_hi), other=0)
@@ -315,12 +280,11 @@ def _w8a16(
             acc2 += wf * x[None, :]
             w_ptrs += BLOCK_K
         acc = tl.sum(acc2, axis=1)  # (BLOCK_N,)
-        if not EARLY_EPI:
-            sc, bi, re = _epilogue_operands(mask, offs_n, offs_n, s_ptr, b_ptr, r_ptr, HAS_BIAS,
-                                            HAS_RES)  # fmt: skip
+        mask = offs_n < N
         _reduce_and_finish(
-            acc, mask, offs_n, offs_n, tile, pid_k, split_k, N, sc, bi, re, y_ptr, ws_ptr,
-            cnt_ptr, HAS_BIAS, ACT, HAS_RES,
+            acc, mask, offs_n, offs_n, offs_n, offs_n,
+            tile, pid_k, split_k, N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
+            HAS_BIAS, ACT, HAS_RES,
         )  # fmt: skip
 
 
@@ -395,7 +359,7 @@ def w8a16_matmul(
     # The one-row loop (USE_DOT=0) is right for M == 1 only: one row is its own tuning key, apart
     # from 2..16 rows, so a config tuned for one row is never reused for more.
     flags = dict(one_row=int(M == 1), BLOCK_M=block_m, HAS_BIAS=bias is not None, ACT=gelu,
-                 HAS_RES=residual is not None, EARLY_EPI=EARLY_EPILOGUE)  # fmt: skip
+                 HAS_RES=residual is not None)  # fmt: skip
 
     def grid(meta):
         n_tiles = triton.cdiv(N, meta["BLOCK_N"])
