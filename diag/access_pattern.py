@@ -1,0 +1,101 @@
+"""Is the decode matmul's gap to a plain read its access pattern? For each weight shape of
+bloom-7b1 and the 176B tp-8 rank, in CUDA graphs cycling through weight copies past the L2:
+- contiguous: N x K bytes read as one stream, an equal contiguous chunk per program;
+- tiles: the same bytes read as the W8A16 kernel walks them (programs own BLOCK_N rows and a
+  run of K, and step through it BLOCK_K bytes of each row at a time: rows K bytes apart), no
+  arithmetic; the best of a few tilings and splits;
+- the W8A16 matmul itself with its tuned config (bias, no other epilogue).
+python3 diag/access_pattern.py"""
+
+import torch
+import triton
+import triton.language as tl
+
+from mpinfer.kernels.w8a16 import w8a16_matmul
+
+
+@triton.jit
+def _contiguous(x_ptr, out_ptr, chunk, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
+    pid = tl.program_id(0)
+    base = x_ptr + pid.to(tl.int64) * chunk
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for start in range(0, chunk, BLOCK * UNROLL):
+        for u in tl.static_range(UNROLL):
+            acc += tl.load(base + start + u * BLOCK + tl.arange(0, BLOCK)).to(tl.int32)
+    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _tiles(w_ptr, out_ptr, K, split, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), split) * BLOCK_K
+    k_lo = pid_k * k_per
+    k_hi = tl.minimum(K, k_lo + k_per)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ptrs = w_ptr + rows[:, None].to(tl.int64) * K + k_lo + tl.arange(0, BLOCK_K)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
+    for _ in range(k_lo, k_hi, BLOCK_K):
+        acc += tl.load(ptrs).to(tl.int32)
+        ptrs += BLOCK_K
+    tl.store(out_ptr + pid_n * split + pid_k, tl.sum(tl.sum(acc, axis=1), axis=0))
+
+
+def graph_us(calls, reps=5) -> float:
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(reps):
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        best = min(best, a.elapsed_time(b) * 1e3 / len(calls))
+    return best
+
+
+SHAPES = [("7b1 qkv", 12288, 4096), ("7b1 dense", 4096, 4096), ("7b1 fc1", 16384, 4096),
+          ("7b1 fc2", 4096, 16384), ("176b/8 qkv", 5376, 14336), ("176b/8 dense", 14336, 1792),
+          ("176b/8 fc1", 7168, 14336), ("176b/8 fc2", 14336, 7168)]  # fmt: skip
+sms = torch.cuda.get_device_properties(0).multi_processor_count
+pool = torch.randint(-127, 128, (2 << 30,), dtype=torch.int8, device="cuda")
+out = torch.empty(1 << 20, dtype=torch.int32, device="cuda")
+print("| shape | MB | contiguous us | tiles us | tiling | W8A16 us | W8A16 - contiguous |")
+print("|---|---|---|---|---|---|---|")
+for name, N, K in SHAPES:
+    size = N * K
+    copies = max(2, min(3 * (60 << 20) // size + 1, (2 << 30) // size))
+    views = [pool[i * size : (i + 1) * size] for i in range(copies)]
+    reps = max(1, 24 // copies)
+    best_c = float("inf")
+    for per_sm, block, unroll, warps in [(8, 2048, 2, 4), (4, 4096, 2, 8), (4, 2048, 4, 4)]:
+        P = sms * per_sm
+        chunk = size // P // (block * unroll) * (block * unroll)
+        calls = [lambda v=v, P=P, c=chunk, b=block, u=unroll, w=warps:
+                 _contiguous[(P,)](v, out, c, BLOCK=b, UNROLL=u, num_warps=w)
+                 for v in views]  # fmt: skip
+        best_c = min(best_c, graph_us(calls * reps) * size / (chunk * P))
+    best_t = (float("inf"), "")
+    for bn, bk, warps in [(16, 256, 4), (64, 128, 4), (64, 256, 4), (32, 256, 4)]:
+        for split in (1, 2, 3, 4, 6, 8):
+            programs = (N // bn) * split
+            if programs < sms or K // bk < split:
+                continue
+            calls = [lambda v=v, s=split, bn=bn, bk=bk, w=warps, N=N, K=K:
+                     _tiles[(N // bn, s)](v, out, K, s, BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
+                     for v in views]  # fmt: skip
+            best_t = min(best_t, (graph_us(calls * reps), f"n{bn} k{bk} split{split}"))
+    scale = torch.rand(N, device="cuda") / 100
+    bias = torch.randn(N, device="cuda", dtype=torch.float16)
+    x = torch.randn(1, K, device="cuda", dtype=torch.float16)
+    calls = [lambda v=v, x=x, s=scale, b=bias, N=N, K=K: w8a16_matmul(x, v.view(N, K), s, b)
+             for v in views]  # fmt: skip
+    mm = graph_us(calls * reps)
+    print(f"| {name} | {size / 1e6:.0f} | {best_c:.1f} | {best_t[0]:.1f} | {best_t[1]} | "
+          f"{mm:.1f} | {mm - best_c:.1f} |", flush=True)  # fmt: skip
