@@ -121,7 +121,7 @@ def test_every_config_family_split_k(dtype):
                     int(M == 1), BLOCK_M=16, HAS_BIAS=True, ACT=True, HAS_RES=True,
                     MAGIC=kw["MAGIC"], USE_DOT=kw["USE_DOT"], SWAP=kw["SWAP"],
                     BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"],
-                    PREFETCH=kw["PREFETCH"], EVEN_K=K % kw["BLOCK_K"] == 0, X2D=w8a16.X2D,
+                    PREFETCH=kw["PREFETCH"], EVEN_K=K % kw["BLOCK_K"] == 0,
                     num_warps=num_warps, num_stages=num_stages,
                 )  # fmt: skip
                 err = (y.float() - ref).abs().max().item() / ref.abs().max().item()

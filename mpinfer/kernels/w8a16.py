@@ -42,7 +42,6 @@ from .tuning import COUNTERS, WORKSPACE_BYTES
 
 # MPINFER_INT8_MAGIC=0 keeps the autotuner to the conversion through fp32 (a diagnostic switch).
 MAGIC_ENABLED = os.environ.get("MPINFER_INT8_MAGIC", "1") != "0"
-X2D = int(os.environ.get("MPINFER_X2D", "1") != "0")  # experiment switch
 
 
 def _configs() -> list[triton.Config]:
@@ -200,7 +199,7 @@ def _w8a16(
     BLOCK_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
     USE_DOT: tl.constexpr, SWAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr, MAGIC: tl.constexpr, EVEN_K: tl.constexpr, X2D: tl.constexpr,
+    PREFETCH: tl.constexpr, MAGIC: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -276,16 +275,9 @@ def _w8a16(
                 w_next = tl.load(w_ptrs + BLOCK_K, mask=n_ok & nk_ok, other=0)
             else:
                 w = tl.load(w_ptrs, mask=n_ok & (kk[None, :] < k_hi), other=0)
-            # x in the weight tile's own layout (each thread loads the x values its weights
-            # meet; the rows' repeats hit L1): a 1-D load would be moved into that layout
-            # through shared memory, behind two barriers every K step.
-            if X2D:
-                x = tl.load(x_ptr + kk[None, :] + 0 * offs_n[:, None], mask=kk[None, :] < k_hi,
-                            other=0.0).to(tl.float32)  # fmt: skip
-            else:
-                x = tl.load(x_ptr + kk, mask=kk < k_hi, other=0.0).to(tl.float32)[None, :]
+            x = tl.load(x_ptr + kk, mask=kk < k_hi, other=0.0).to(tl.float32)
             wf = _to_compute(w, tl.float32, MAGIC)
-            acc2 += wf * x
+            acc2 += wf * x[None, :]
             w_ptrs += BLOCK_K
         acc = tl.sum(acc2, axis=1)  # (BLOCK_N,)
         mask = offs_n < N
@@ -367,7 +359,7 @@ def w8a16_matmul(
     # The one-row loop (USE_DOT=0) is right for M == 1 only: one row is its own tuning key, apart
     # from 2..16 rows, so a config tuned for one row is never reused for more.
     flags = dict(one_row=int(M == 1), BLOCK_M=block_m, HAS_BIAS=bias is not None, ACT=gelu,
-                 HAS_RES=residual is not None, X2D=X2D)  # fmt: skip
+                 HAS_RES=residual is not None)  # fmt: skip
 
     def grid(meta):
         n_tiles = triton.cdiv(N, meta["BLOCK_N"])
