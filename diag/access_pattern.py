@@ -10,19 +10,9 @@ python3 diag/access_pattern.py"""
 import torch
 import triton
 import triton.language as tl
+from common import graph_us, read_chunks
 
 from mpinfer.kernels.w8a16 import w8a16_matmul
-
-
-@triton.jit
-def _contiguous(x_ptr, out_ptr, chunk, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
-    pid = tl.program_id(0)
-    base = x_ptr + pid.to(tl.int64) * chunk
-    acc = tl.zeros((BLOCK,), dtype=tl.int32)
-    for start in range(0, chunk, BLOCK * UNROLL):
-        for u in tl.static_range(UNROLL):
-            acc += tl.load(base + start + u * BLOCK + tl.arange(0, BLOCK)).to(tl.int32)
-    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
 
 
 @triton.jit
@@ -39,25 +29,6 @@ def _tiles(w_ptr, out_ptr, K, split, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
         acc += tl.load(ptrs).to(tl.int32)
         ptrs += BLOCK_K
     tl.store(out_ptr + pid_n * split + pid_k, tl.sum(tl.sum(acc, axis=1), axis=0))
-
-
-def graph_us(calls, reps=5) -> float:
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(reps):
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / len(calls))
-    return best
 
 
 SHAPES = [("7b1 qkv", 12288, 4096), ("7b1 dense", 4096, 4096), ("7b1 fc1", 16384, 4096),
@@ -78,7 +49,7 @@ for name, N, K in SHAPES:
         P = sms * per_sm
         chunk = size // P // (block * unroll) * (block * unroll)
         calls = [lambda v=v, P=P, c=chunk, b=block, u=unroll, w=warps:
-                 _contiguous[(P,)](v, out, c, BLOCK=b, UNROLL=u, num_warps=w)
+                 read_chunks[(P,)](v, out, c, BLOCK=b, UNROLL=u, num_warps=w)
                  for v in views]  # fmt: skip
         best_c = min(best_c, graph_us(calls * reps) * size / (chunk * P))
     best_t = (float("inf"), "")

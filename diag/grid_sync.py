@@ -8,6 +8,7 @@ python3 diag/grid_sync.py"""
 import torch
 import triton
 import triton.language as tl
+from common import graph_us, read_chunks
 
 
 @triton.jit
@@ -17,12 +18,6 @@ def _chunk_sum(base, chunk, BLOCK: tl.constexpr):
         acc += tl.load(base + start + tl.arange(0, BLOCK)).to(tl.int32)
         acc += tl.load(base + start + BLOCK + tl.arange(0, BLOCK)).to(tl.int32)
     return tl.sum(acc, axis=0)
-
-
-@triton.jit
-def _read(x_ptr, out_ptr, chunk, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    tl.store(out_ptr + pid, _chunk_sum(x_ptr + pid.to(tl.int64) * chunk, chunk, BLOCK))
 
 
 @triton.jit
@@ -41,24 +36,6 @@ def _read_sync_read(x_ptr, y_ptr, out_ptr, cnt_ptr, chunk, BLOCK: tl.constexpr,
     if EARLY:
         s += tl.sum(first, axis=0)
     tl.store(out_ptr + pid, s)
-
-
-def graph_us(fn, reps=5) -> float:
-    """Best microseconds per fn() call (fn runs `calls` pairs; returns how many)."""
-    n = fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(reps):
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / n)
-    return best
 
 
 def main() -> None:
@@ -80,27 +57,24 @@ def main() -> None:
 
         def two(bufs=bufs, chunk=chunk):
             for x, y in bufs:
-                _read[(P,)](x, out, chunk, BLOCK=BLOCK, num_warps=WARPS)
-                _read[(P,)](y, out, chunk, BLOCK=BLOCK, num_warps=WARPS)
-            return len(bufs)
+                read_chunks[(P,)](x, out, chunk, BLOCK=BLOCK, UNROLL=2, num_warps=WARPS)
+                read_chunks[(P,)](y, out, chunk, BLOCK=BLOCK, UNROLL=2, num_warps=WARPS)
 
         def fused(early, bufs=bufs, chunk=chunk, cnt=cnt):
             cnt.zero_()
             for i, (x, y) in enumerate(bufs):
                 _read_sync_read[(P,)](x, y, out, cnt[i:], chunk, BLOCK=BLOCK, EARLY=early,
                                       num_warps=WARPS)  # fmt: skip
-            return len(bufs)
 
         def double(bufs=bufs, chunk=chunk):
             for x, _ in bufs:
-                _read[(P,)](x, out, 2 * chunk, BLOCK=BLOCK, num_warps=WARPS)
-            return len(bufs)
+                read_chunks[(P,)](x, out, 2 * chunk, BLOCK=BLOCK, UNROLL=2, num_warps=WARPS)
 
         t = [
-            graph_us(two),
-            graph_us(lambda: fused(0)),
-            graph_us(lambda: fused(1)),
-            graph_us(double),
+            graph_us([two]) / pairs,
+            graph_us([lambda: fused(0)]) / pairs,
+            graph_us([lambda: fused(1)]) / pairs,
+            graph_us([double]) / pairs,
         ]
         print(f"| {size >> 20} MiB | " + " | ".join(f"{v:.1f}" for v in t) + " |", flush=True)
 

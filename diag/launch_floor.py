@@ -10,7 +10,7 @@ Writes a markdown table to stdout.  python3 diag/launch_floor.py"""
 
 import torch
 import triton
-import triton.language as tl
+from common import graph_us, read_chunks
 
 
 @triton.jit
@@ -18,38 +18,7 @@ def _empty(x_ptr):
     pass
 
 
-@triton.jit
-def _read(x_ptr, out_ptr, chunk, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
-    pid = tl.program_id(0)
-    base = x_ptr + pid.to(tl.int64) * chunk
-    acc = tl.zeros((BLOCK,), dtype=tl.int32)
-    for start in range(0, chunk, BLOCK * UNROLL):
-        for u in tl.static_range(UNROLL):
-            acc += tl.load(base + start + u * BLOCK + tl.arange(0, BLOCK)).to(tl.int32)
-    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
-
-
 MATMUL_CONFIGS = ["dot n64 k256 split1 pf0 magic2 w4 s3", "fma n16 k256 split1 pf0 magic2 w4 s3"]
-
-
-def graph_us(calls, reps=5) -> float:
-    """Best microseconds per call of a CUDA graph replaying `calls` (a list of callables)."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(reps):
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / len(calls))
-    return best
 
 
 def fit(points):
@@ -82,7 +51,7 @@ for size in sizes:
         P = sms * per_sm
         chunk = size // P // (block * unroll) * (block * unroll)
         calls = [lambda v=pool[i * size :], P=P, chunk=chunk, b=block, u=unroll, w=warps:
-                 _read[(P,)](v, out, chunk, BLOCK=b, UNROLL=u, num_warps=w)
+                 read_chunks[(P,)](v, out, chunk, BLOCK=b, UNROLL=u, num_warps=w)
                  for i in range(copies)] * max(1, 24 // copies)  # fmt: skip
         us = graph_us(calls) * size / (chunk * P)  # scaled to `size` bytes (chunks round down)
         best = min(best, (us, f"{per_sm}/SM x {block}x{unroll} w{warps}"))
