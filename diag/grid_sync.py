@@ -29,9 +29,9 @@ def _read_sync_read(x_ptr, y_ptr, out_ptr, cnt_ptr, chunk, BLOCK: tl.constexpr,
     ybase = y_ptr + pid.to(tl.int64) * chunk
     if EARLY:  # the second read's first lines, requested before the barrier
         first = tl.load(ybase + tl.arange(0, BLOCK)).to(tl.int32)
-    tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
-    while tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu") < P:
-        pass
+    arrived = tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu") + 1
+    while arrived < P:  # the barrier: wait until every program has finished its first read
+        arrived = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
     s += _chunk_sum(ybase, chunk, BLOCK)
     if EARLY:
         s += tl.sum(first, axis=0)

@@ -15,7 +15,7 @@ from common import graph_us, read_chunks
 
 @triton.jit
 def _empty(x_ptr):
-    pass
+    """Nothing on purpose: what is timed is the launch alone."""
 
 
 MATMUL_CONFIGS = ["dot n64 k256 split1 pf0 magic2 w4 s3", "fma n16 k256 split1 pf0 magic2 w4 s3"]
