@@ -7,7 +7,7 @@
 
 import sys
 
-from mpinfer.sharded import shard_main
+from mpinfer.cli import shard_main
 
 if __name__ == "__main__":
     sys.exit(shard_main(sys.argv[1:]))

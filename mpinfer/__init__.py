@@ -1,7 +1,11 @@
 """mpinfer: BLOOM-class models served with int8 weights and tensor parallelism.
 
-The package is organised by responsibility (see DESIGN.md): config, dist, checkpoint, plan,
-quant, layers, model, loader, generation, tiny, cli. Nothing heavy is imported here.
+The package's layers, each importing only those below it (docs/architecture.md has the map):
+faces (cli, serve, routes, api, chat, repl) -> runtime (runtime, launcher) -> engine (engine,
+runner, sampling, detok) -> loading (loader, sharded, checkpoint, sharding, memory, hostmem) ->
+model (model, layers, quant, kernels/) -> base (config, dist, extras). The tools (mpinfer.tools:
+benchmarks, make-tiny, diagnostics) import the product; the product never imports them. Nothing
+heavy is imported here.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .generation import MAX_STOP, SamplingParams
+from .sampling import MAX_STOP, SamplingParams
 
 
 class ApiError(Exception):
@@ -113,9 +113,8 @@ def _params(f: Fields, *, max_new_key: str, default_max_new: int, sample_default
         top_p=1.0 if top_p is None else top_p,
         typical_p=1.0 if typical_p is None else typical_p,
         repetition_penalty=f.get("repetition_penalty", "float", 1.0),
-        seed=f.get("seed", "int", 0),
+        seed=f.get("seed", "int"),
         stop=f.stop_list(stop_key),
-        logprobs=True,
     )
     try:
         params.check()

@@ -6,6 +6,9 @@ shards, with or without the `transformer.` key prefix. safetensors slices are re
 `get_slice` (only the bytes of that slice); `.bin` files are opened with `mmap=True,
 weights_only=True`, so slicing touches only the pages of that slice. What is not here: the
 sharded int8 format mpinfer writes (see `sharded.py`).
+
+`inspect_checkpoint` checks a directory against the model its config.json describes (every
+tensor present, every shape as the sharding specs expect) before a byte of weights is read.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+from .model import BloomShape
+from .sharding import ShardSpec, specs_for
 
 PREFIX = "transformer."
 # Tensors a BLOOM checkpoint may hold that the model does not use (the LM head is tied).
@@ -168,3 +174,29 @@ class HFCheckpoint:
 
     def nbytes(self) -> int:
         return sum(p.stat().st_size for p in self.files)
+
+
+def check_checkpoint(ckpt: HFCheckpoint, specs: list[ShardSpec]) -> None:
+    for spec in specs:
+        if spec.name not in ckpt:
+            raise CheckpointError(
+                f"tensor {spec.name} is missing from the checkpoint in {ckpt.dir}"
+            )
+        found = ckpt.shape(spec.name)
+        if tuple(found) != spec.shape:
+            raise CheckpointError(
+                f"tensor {spec.name} has shape {tuple(found)} in the checkpoint, "
+                f"but config.json implies {spec.shape}"
+            )
+
+
+def inspect_checkpoint(
+    model_dir: str, tp_size: int, *, quant: str, embeddings: str
+) -> tuple[dict, BloomShape, HFCheckpoint]:
+    """Read config.json and check every tensor's presence and shape (no weights read)."""
+    config_dict = read_config(model_dir)
+    shape = BloomShape.from_config(config_dict)
+    shape.check_tp(tp_size)
+    ckpt = HFCheckpoint(model_dir)
+    check_checkpoint(ckpt, specs_for(shape, tp_size, quant, embeddings))
+    return config_dict, shape, ckpt

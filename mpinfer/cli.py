@@ -1,57 +1,120 @@
-"""The `mpinfer` console script and the per-rank entry points behind `launch/*.py`.
+"""The `mpinfer` console script: one line per subcommand in `mpinfer --help`, and the small
+commands (generate, shard, verify, plan) themselves.
 
-Subcommands: `make-tiny` (a random HF-format BLOOM), `generate` (one-shot generation; with
-`--nproc N` it starts the N ranks itself through torch's launcher), `shard` and `verify`
-(pre-sharded checkpoints). Per-rank mains wrap their work in try/finally so that process groups
-are destroyed and every rank exits non-zero on an error.
+Subcommands that run on every rank (serve, repl, generate) take `--nproc N` to start their
+ranks through launcher.py; under torchrun (LOCAL_RANK set) they run as the rank they are. The
+tools (make-tiny, bench) live in mpinfer.tools and are named here by module path only, so the
+product never imports them. Per-rank mains wrap their work in runtime.run_rank, which tears the
+process groups down and ends every rank non-zero on an error.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
-from .config import add_config_args, config_from_args
+from .config import add_config_args, config_from_args, load_config, parse_bytes
 from .dist import broadcast_object
+from .hostmem import HostMemoryMonitor, return_large_frees_to_os
+from .launcher import Topology, launch
+from .memory import (
+    COMMON_GPUS,
+    GIB,
+    plan_memory,
+    plan_table,
+    suggest,
+    tp_sizes_for,
+)
+from .model import BloomShape
+from .runtime import default_params, load_tokenizer, run_rank, start
+from .sharded import shard_checkpoint, verify_dir
 
-log = logging.getLogger("mpinfer")
+# name -> ("module:function", one line for `mpinfer --help`)
+COMMANDS = {
+    "serve": ("mpinfer.serve:serve_main", "HTTP server (TGI and OpenAI routes) on rank 0"),
+    "repl": ("mpinfer.repl:repl_main", "interactive generation on this terminal"),
+    "generate": ("mpinfer.cli:generate_main", "one-shot generation of --prompt texts"),
+    "shard": ("mpinfer.cli:shard_main", "quantize and split a checkpoint once, per rank"),
+    "verify": ("mpinfer.cli:verify_main", "check a sharded directory's checksums"),
+    "plan": ("mpinfer.cli:plan_main", "GPU memory a config needs, per GPU size and tp"),
+    "make-tiny": ("mpinfer.tools.tiny:main", "write a random BLOOM checkpoint (tests, demo)"),
+    "bench": ("mpinfer.tools.bench:main", "benchmarks: gpu, kernels, load, engine, serve"),
+}
+RANK_COMMANDS = ("serve", "repl", "generate")
+HELP = """usage: mpinfer COMMAND [options]    (mpinfer COMMAND --help for each)
+
+commands:
+{commands}
+
+serve, repl and generate run on every rank: --nproc N starts N ranks on this host (or run them
+under torchrun --nproc-per-node N launch/serve.py ...). Every one takes --config FILE,
+--set section.key=value and --model DIR.
+
+examples:
+  mpinfer make-tiny out/tiny && mpinfer generate --nproc 2 --model out/tiny --prompt "Hello"
+  mpinfer serve --nproc 2 --config configs/tiny-cpu.toml
+  mpinfer plan --config configs/bloom-176b-8x24gb.toml"""
 
 
-def load_tokenizer(model_dir: str):
-    from tokenizers import Tokenizer
-
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise ValueError(f"{path} is missing: mpinfer needs the model's fast tokenizer file")
-    return Tokenizer.from_file(str(path))
-
-
-def sampling_params(cfg, *, max_new_tokens: int | None = None, greedy: bool = False):
-    """The config's [generation] defaults as SamplingParams (with CLI overrides)."""
-    from .generation import SamplingParams
-
-    g = cfg.generation
-    return SamplingParams(
-        max_new_tokens=max_new_tokens or g.max_new_tokens,
-        do_sample=g.do_sample and not greedy,
-        temperature=g.temperature,
-        top_k=g.top_k,
-        top_p=g.top_p,
-        repetition_penalty=g.repetition_penalty,
-        seed=g.seed,
-    )
+def add_launch_args(p: argparse.ArgumentParser) -> None:
+    """The launcher's options (read by `main` before the subcommand runs; shown in its help)."""
+    g = p.add_argument_group("starting the ranks (without torchrun)")
+    g.add_argument("--nproc", type=int, help="start N ranks on this host (tp size N)")
+    g.add_argument("--nnodes", type=int, default=1, help="hosts in the job (default 1)")
+    g.add_argument("--node-rank", type=int, default=0, help="this host's index (0: rank 0's)")
+    g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address")
+    g.add_argument("--master-port", type=int, default=0, help="node 0's port (0: a free one)")
 
 
-def _generate_parser() -> argparse.ArgumentParser:
+def split_launch_args(argv: list[str]) -> tuple[Topology | None, list[str]]:
+    p = argparse.ArgumentParser(add_help=False)
+    add_launch_args(p)
+    known, rest = p.parse_known_args(argv)
+    if known.nproc is None:
+        return None, rest
+    return Topology(known.nproc, known.nnodes, known.node_rank, known.master_addr,
+                    known.master_port), rest  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        width = max(map(len, COMMANDS))
+        lines = "\n".join(f"  {n:<{width}}  {line}" for n, (_, line) in COMMANDS.items())
+        print(HELP.format(commands=lines), file=sys.stdout if argv else sys.stderr)
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nerror: unknown command {argv[0]!r}", file=sys.stderr)
+            return 2
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd in RANK_COMMANDS and "-h" not in rest and "--help" not in rest:
+        try:
+            topo, rest = split_launch_args(rest)
+            if topo is not None and "LOCAL_RANK" not in os.environ:
+                return launch(topo, cmd, rest)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    target, _ = COMMANDS[cmd]
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)(rest)
+
+
+# -- generate ------------------------------------------------------------------------------------
+def generate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mpinfer generate",
         description="One-shot generation on all ranks; rank 0 prints the completions.",
+        epilog='example: mpinfer generate --nproc 2 --model out/tiny --prompt "Hello" --json',
     )
     add_config_args(p)
+    add_launch_args(p)
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--max-new-tokens", type=int, help="overrides generation.max_new_tokens")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (do_sample=false)")
@@ -59,24 +122,9 @@ def _generate_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_rank(work, cfg) -> int:
-    """Init the process groups, run `work(ctx)`, tear down; user errors exit 1 on every rank."""
-    from .dist import init_distributed, teardown
-
-    ctx = init_distributed(timeout_s=cfg.parallel.timeout_s)
-    try:
-        work(ctx)
-        return 0
-    except ValueError as e:
-        log.error("%s", e)
-        return 1
-    finally:
-        teardown()
-
-
 def generate_main(argv: list[str] | None = None) -> int:
     """Per-rank main of `launch/generate.py` (and of `mpinfer generate`)."""
-    args = _generate_parser().parse_args(argv)
+    args = generate_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
     except ValueError as e:
@@ -84,17 +132,16 @@ def generate_main(argv: list[str] | None = None) -> int:
         return 2
 
     def work(ctx):
-        from .engine import Engine, worker_loop
-        from .loader import load_model
-
-        loaded = load_model(cfg, ctx)
         prompts = args.prompt or ["The capital of France is"]
-        params = sampling_params(cfg, max_new_tokens=args.max_new_tokens, greedy=args.greedy)
-        error, tok, ids, slots, max_seq = None, None, None, 0, 0
+        overrides = {"max_new_tokens": args.max_new_tokens}
+        if args.greedy:
+            overrides["do_sample"] = False
+        params = default_params(cfg, **overrides)
+        error, ids, slots, max_seq = None, None, 0, 0
         if ctx.is_rank0:
             try:
                 params.check()
-                tok = load_tokenizer(loaded.model_dir)
+                tok = load_tokenizer(cfg.model.path)
                 ids = [tok.encode(p, add_special_tokens=False).ids for p in prompts]
                 if not all(ids):
                     raise ValueError("--prompt: a prompt is empty (no tokens)")
@@ -105,24 +152,21 @@ def generate_main(argv: list[str] | None = None) -> int:
         error, slots, max_seq = broadcast_object((error, slots, max_seq), ctx)
         if error:
             raise ValueError(error)
-        if not ctx.is_rank0:
-            worker_loop(loaded, ctx, slots, max_seq)
+        engine = start(cfg, ctx, slots=slots, max_seq=max_seq)
+        if engine is None:
             return
-        engine = Engine(loaded, ctx, tok, slots=slots, max_seq=max_seq)
         results: dict[int, object] = {}
         for i, p in enumerate(ids):
-            engine.submit(p, params, lambda ev, i=i: ev.kind == "done" and results.update({i: ev}))
+            engine.submit(p, params, lambda ev, i=i: ev.kind != "token" and results.update({i: ev}))
         engine.run(until_idle=True)
         for i, prompt in enumerate(prompts):
-            r = results[i].result
+            ev = results[i]
+            if ev.kind == "error":
+                raise ValueError(f"--prompt {prompt!r}: generation failed: {ev.error}")
+            r = ev.result
             if args.json:
-                record = {
-                    "prompt": prompt,
-                    "text": r.text,
-                    "prompt_token_ids": r.prompt_token_ids,
-                    "token_ids": r.token_ids,
-                    "finish_reason": r.finish_reason,
-                }
+                record = {"prompt": prompt, "text": r.text, "prompt_token_ids": r.prompt_token_ids,
+                          "token_ids": r.token_ids, "finish_reason": r.finish_reason}  # fmt: skip
                 print(json.dumps(record, ensure_ascii=False), flush=True)
             else:
                 print(f"{prompt}{r.text}", flush=True)
@@ -130,119 +174,130 @@ def generate_main(argv: list[str] | None = None) -> int:
     return run_rank(work, cfg)
 
 
-def _launch_ranks(nproc: int, subcommand: str, rest: list[str]) -> int:
-    """Start `nproc` ranks of `python -m mpinfer.cli SUBCOMMAND ...` through torch's launcher."""
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    if nproc < 1:
-        print(f"error: --nproc={nproc} must be >= 1", file=sys.stderr)
-        return 2
-    launcher_args = ["--standalone", "--nproc-per-node", str(nproc), "-m", "mpinfer.cli"]
+# -- shard, verify -------------------------------------------------------------------------------
+def parse_ranks(text: str) -> list[int]:
+    """'0-3' or '4,5' or '2' -> rank numbers."""
+    out = []
     try:
-        torchrun.main(launcher_args + [subcommand, *rest])
-    except ChildFailedError as e:
-        codes = {f.exitcode for f in e.failures.values()}
-        return max(codes) if codes and max(codes) > 0 else 1
-    return 0
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            out += range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        raise ValueError(f"--ranks {text!r}: expected e.g. 0-3 or 4,5,6,7") from None
+    return out
 
 
-def _make_tiny_main(argv: list[str]) -> int:
-    from .tiny import make_tiny
-
-    p = argparse.ArgumentParser(prog="mpinfer make-tiny", description=make_tiny.__doc__)
-    p.add_argument("out")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--shards", type=int, default=1)
-    p.add_argument("--format", choices=("safetensors", "bin"), default="safetensors")
-    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-prefix", action="store_true", help="keys without 'transformer.'")
+def shard_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="mpinfer shard", description=shard_checkpoint.__doc__,
+                                epilog="example: mpinfer shard --model /data/bloom --tp 8 "
+                                "--out /data/bloom-int8-tp8")  # fmt: skip
+    p.add_argument("--model", required=True, help="HF checkpoint directory")
+    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--quant", default="int8", choices=("int8", "llm.int8", "none"))
+    p.add_argument("--embeddings", default="none", choices=("none", "int8"))
+    p.add_argument("--dtype", default="auto", help="dtype of unquantized tensors (auto: as stored)")
+    p.add_argument("--ranks", help="write only these ranks' files, e.g. 0-3 (one host's part)")
     a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    return_large_frees_to_os()
+    t0 = time.perf_counter()
     try:
-        out = make_tiny(
-            a.out,
-            layers=a.layers,
-            hidden=a.hidden,
-            heads=a.heads,
-            vocab=a.vocab,
-            shards=a.shards,
-            fmt=a.format,
-            seed=a.seed,
-            dtype=a.dtype,
-            prefix=not a.no_prefix,
-        )
+        ranks = parse_ranks(a.ranks) if a.ranks else None
+        with HostMemoryMonitor() as mem:
+            m = shard_checkpoint(a.model, a.out, tp_size=a.tp, quant=a.quant,
+                                 embeddings=a.embeddings, dtype=a.dtype, ranks=ranks)  # fmt: skip
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(out)
+    total = sum(f["bytes"] for f in m["files"])
+    print(
+        f"wrote {len(m['files'])} rank files ({total / 1e9:.2f} GB) to {a.out} in "
+        f"{time.perf_counter() - t0:.1f} s; peak anonymous host RAM {mem.peak_mib:.0f} MiB "
+        f"(+{mem.peak_mib - mem.start_mib:.0f} over start)"
+    )
     return 0
 
 
-def _pop_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
-    rest, nproc, i = [], None, 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--nproc" and i + 1 < len(argv):
-            nproc, i = int(argv[i + 1]), i + 2
-            continue
-        if arg.startswith("--nproc="):
-            nproc = int(arg.split("=", 1)[1])
-        else:
-            rest.append(arg)
-        i += 1
-    return nproc, rest
+def verify_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="mpinfer verify", description="check every checksum of DIR",
+                                epilog="example: mpinfer verify /data/bloom-int8-tp8")  # fmt: skip
+    p.add_argument("dir")
+    a = p.parse_args(argv)
+    try:
+        problems = verify_dir(Path(a.dir))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for line in problems:
+        print(f"BAD {line}")
+    return 1 if problems else 0
 
 
-def _serve_main(argv: list[str]) -> int:
-    from .serving import serve_main
+# -- plan ----------------------------------------------------------------------------------------
+def plan_main(argv: list[str]) -> int:
+    """`mpinfer plan`: per-GPU memory of a config, from config.json alone. Without --gpu-mem
+    (and no model.memory_budget), a table for common GPU sizes and every tp size that divides
+    the heads; with it, the detailed list for one GPU and tp size."""
+    p = argparse.ArgumentParser(prog="mpinfer plan", description=plan_main.__doc__,
+                                epilog="examples:\n  mpinfer plan --config configs/bloom-7b1.toml"
+                                "\n  mpinfer plan --model /data/bloom --gpu-mem 24GiB --tp 8",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_config_args(p)
+    p.add_argument("--gpu-mem", help="memory per GPU, e.g. 24GiB (default: model.memory_budget)")
+    p.add_argument("--tp", type=int, help="tensor-parallel size (default: parallel.tp_size)")
+    p.add_argument("--arch", help="the model's config.json (default: model.path's, or model.arch)")
+    a = p.parse_args(argv)
+    try:
+        overrides = list(a.overrides)
+        for flag, key in ((a.model, "model.path"), (a.quant, "quant.method"),
+                          (a.dtype, "model.dtype")):  # fmt: skip
+            if flag:
+                overrides.append(f'{key}="{flag}"')
+        cfg = load_config(a.config, overrides)
+        arch = Path(a.arch) if a.arch else Path(cfg.model.path) / "config.json"
+        if not arch.is_file() and cfg.model.arch:
+            arch = Path(cfg.model.arch)
+        if not arch.is_file():
+            raise ValueError("no config.json: pass --arch FILE, --model DIR or set model.arch")
+        shape = BloomShape.from_config(json.loads(arch.read_text()))
+        tp = a.tp or cfg.parallel.tp_size or None
+        if tp:
+            shape.check_tp(tp)
+        text = a.gpu_mem or cfg.model.memory_budget
+        budget = parse_bytes(text, "--gpu-mem") if text else None
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    quant = cfg.quant.method + (" + int8 embeddings" if cfg.quant.embeddings == "int8" else "")
+    print(
+        f"{arch.name}: {shape.n_layer} layers, hidden {shape.hidden_size}, {shape.n_head} "
+        f"heads; quant={quant}, dtype={cfg.model.dtype}, max_seq_len={cfg.server.max_seq_len}"
+    )
+    if budget is None:
+        return print_plan_table(shape, cfg, tp)
+    tp = tp or 1
+    plan = plan_memory(shape, cfg, tp_size=tp, budget=budget)
+    print(f"tp={tp}")
+    print("\n".join(plan.lines()))
+    if not plan.fits:
+        print(f"does not fit: needs {plan.one_slot / GIB:.2f} GiB per GPU, has {budget / GIB:.2f}; "
+              f"{suggest(shape, cfg, tp_size=tp, budget=budget)}")  # fmt: skip
+        return 1
+    return 0
 
-    return serve_main(argv)
 
-
-def _repl_main(argv: list[str]) -> int:
-    from .repl import repl_main
-
-    return repl_main(argv)
-
-
-# Subcommands that run on every rank (and take --nproc to start the ranks themselves).
-RANK_MAINS = {"generate": generate_main, "serve": _serve_main, "repl": _repl_main}
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"make-tiny": _make_tiny_main, **{k: None for k in RANK_MAINS}}
-    commands.update(_extra_commands())
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        names = ", ".join(commands)
-        print(f"usage: mpinfer {{{names}}} ...", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    cmd, rest = argv[0], argv[1:]
-    if cmd in RANK_MAINS:
-        nproc, rest = _pop_nproc(rest)
-        if nproc is not None and "LOCAL_RANK" not in os.environ:
-            return _launch_ranks(nproc, cmd, rest)
-        return RANK_MAINS[cmd](rest)
-    return commands[cmd](rest)
-
-
-def _extra_commands() -> dict:
-    """Subcommands defined in other modules (kept there, next to what they drive)."""
-    from . import sharded
-
-    def bench(argv):
-        from .bench import bench_main
-
-        return bench_main(argv)
-
-    from .memory import plan_main
-
-    return {"shard": sharded.shard_main, "verify": sharded.verify_main, "bench": bench,
-            "plan": plan_main}  # fmt: skip
+def print_plan_table(shape: BloomShape, cfg, tp: int | None) -> int:
+    budgets = [(g, parse_bytes(g, "gpu")) for g in COMMON_GPUS]
+    rows = plan_table(shape, cfg, budgets=budgets, tp_sizes=[tp] if tp else tp_sizes_for(shape))
+    print(f"{'GPU':>6} {'tp':>3}  {'fits':<4} {'weights/GPU':>12} {'total/GPU':>10} "
+          f"{'KV tokens':>10} {'slots':>6}")  # fmt: skip
+    for r in rows:
+        print(f"{r['gpu']:>6} {r['tp']:>3}  {'yes' if r['fits'] else 'no':<4} "
+              f"{r['weights'] / GIB:>8.2f} GiB {r['total'] / GIB:>6.2f} GiB "
+              f"{r['kv_tokens']:>10} {r['slots']:>6}")  # fmt: skip
+    print("(--gpu-mem SIZE [--tp N] for one GPU's details)")
+    return 0 if any(r["fits"] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,13 +55,17 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class GenerationConfig:
+    """Defaults of every face (HTTP routes, REPL, generate) where a request does not say."""
+
     max_new_tokens: int = 32
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    typical_p: float = 1.0
     repetition_penalty: float = 1.0
-    seed: int = 0
+    # -1: every request draws its own seed (and reports it); >= 0: this seed.
+    seed: int = -1
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,8 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     # Prompt tokens prefilled per engine step, so long prompts do not stall running decodes.
     max_prefill_tokens: int = 512
+    # Capture the decode step in CUDA graphs (one per batch-size bucket) on GPUs.
+    cuda_graphs: bool = True
 
 
 @dataclass(frozen=True)
@@ -111,10 +118,14 @@ class RunConfig:
             raise ValueError(f"generation.temperature={g.temperature} must be a finite number >= 0")
         if g.top_k < 0:
             raise ValueError(f"generation.top_k={g.top_k} must be >= 0")
-        if not 0 < g.top_p <= 1:
-            raise ValueError(f"generation.top_p={g.top_p} must be in (0, 1]")
-        if not g.repetition_penalty > 0:
-            raise ValueError(f"generation.repetition_penalty={g.repetition_penalty} must be > 0")
+        for key in ("top_p", "typical_p"):
+            if not 0 < getattr(g, key) <= 1:
+                raise ValueError(f"generation.{key}={getattr(g, key)} must be in (0, 1]")
+        if not 0.01 <= g.repetition_penalty <= 100:
+            raise ValueError(f"generation.repetition_penalty={g.repetition_penalty} must be in "
+                             "[0.01, 100]")  # fmt: skip
+        if g.seed < -1:
+            raise ValueError(f"generation.seed={g.seed} must be >= 0 (or -1: a random seed)")
         s = self.server
         for key in ("max_batch_slots", "max_seq_len", "max_queue", "max_body_bytes",
                     "max_prefill_tokens"):  # fmt: skip
@@ -129,8 +140,6 @@ UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 def parse_bytes(text: str, what: str) -> int:
     """'24GiB', '22.5 GB', '1048576' -> bytes; a ValueError naming `what` otherwise."""
-    import re
-
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).upper() not in UNITS:
         raise ValueError(f"{what}={text!r}: expected a size such as 24GiB or 22.5GB")

@@ -4,7 +4,9 @@
 character (a byte-level token can end inside one: the decoded tail is then U+FFFD, held until
 the next token completes it), and never returns text that a stop string may still claim: the
 longest tail that is a prefix of some stop string is held back until it is decided. When a stop
-string appears, the text ends just before it. What is not here: sampling, or the stop on EOS.
+string appears, the text ends just before it. `finish()` ends the stream: the final text is the
+tokenizer's decode of every id (so a character cut by the token limit shows as U+FFFD, as TGI
+gives it), and whatever was held back is released. What is not here: sampling, the stop on EOS.
 """
 
 from __future__ import annotations
@@ -52,7 +54,15 @@ class TextStream:
         out, self.emitted = self.text[self.emitted : end], end
         return out
 
+    def finish(self) -> str:
+        """The request has ended: everything not yet handed out."""
+        if not self.stopped:
+            full = self._decode(self.ids)
+            if full.startswith(self.text):  # a byte-level decode extends its own prefix
+                self.text = full
+        return self.flush()
+
     def flush(self) -> str:
-        """Everything not yet handed out (the request has ended)."""
+        """Everything not yet handed out."""
         out, self.emitted = self.text[self.emitted :], len(self.text)
         return out

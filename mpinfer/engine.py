@@ -1,220 +1,135 @@
-"""The generation engine: continuous batching over the static KV cache's slots.
+"""The generation engine on rank 0: a bounded queue, continuous batching over the KV cache's
+slots, and a step loop that keeps the GPU busy.
 
-Rank 0 owns a bounded request queue and the scheduler; every other rank runs `worker_loop`.
-Each step rank 0 admits queued requests into free slots, plans which slots decode one token and
+Each step rank 0 admits queued requests into free slots, picks which slots decode one token and
 which prefill the next chunk of their prompt (at most `max_prefill_tokens` prompt tokens a step,
-so a long prompt does not stall running decodes), and broadcasts that small plan. All ranks run
-the same forwards; rank 0 samples, detokenizes, checks stop conditions and hands events to each
-request's sink. A request that finishes or is cancelled frees its slot for the next step. When
-nothing is running rank 0 sends a heartbeat now and then, so idle workers never reach the
-process group's timeout; a stop plan ends every loop.
+so a long prompt does not stall running decodes), sends that `Step` to the other ranks, runs it
+(runner.py) and samples every row in one batched pass (sampling.py). The step's results come
+back to the host one step late: while the GPU runs step n+1, the host turns step n's tokens into
+text, checks stop conditions and hands events to each request's sink. A step never waits for the
+previous one's tokens: decode inputs stay on the device. The price: a request that stops on EOS
+or a stop string has one more row computed that nobody reads.
 
-Events reach a request through its `sink` callable, called on rank 0's engine thread: the server
-wraps it into its event loop, the CLI and the REPL into a plain queue. What is not here: HTTP
-(server.py), terminal I/O (repl.py), logits processing (generation.py).
+Failures: an error while handling one request's results (a non-finite distribution, a stop or
+detokenization fault) ends that request with an error event; the other requests go on. An error
+in a forward or a collective ends the engine: every request gets an error, and the process
+exits non-zero. When nothing runs, rank 0 sends an idle step now and then, so the other ranks
+never reach the process group's timeout; a stop step ends their loops.
+
+Events reach a request through its `sink` callable, called on the engine's thread: the server
+moves them onto its event loop, the CLI and the REPL into a plain queue. What is not here: HTTP
+(routes.py), terminal I/O (repl.py), start-up (runtime.py).
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
+import dataclasses
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .detok import TextStream
-from .dist import DistContext, broadcast_object
-from .generation import RowSampler, SamplingParams
-from .kernels import ROW_BUCKETS
-from .loader import LoadedModel
-from .model import KVCache
+from .dist import DistContext
+from .request import EngineFailed, Event, QueueFull, Request, Result
+from .runner import IDLE, STEP, STOP, ModelRunner, Prefill, Step
+from .sampling import MAX_TOP_N, Row, Sampler, SamplingParams, prompt_token_logprobs
 
 log = logging.getLogger("mpinfer")
 
 
-class QueueFull(Exception):
-    """The request queue holds `max_queue` requests already (HTTP 429)."""
+class Sequence:
+    """A request in a slot (rank 0's bookkeeping). `pos` and `scheduled` count what has been
+    planned; `result` what has come back."""
 
+    def __init__(self, req: Request, slot: int, tokenizer):
+        self.req, self.slot = req, slot
+        self.prompt_left = list(req.prompt_ids)
+        self.pos = 0  # cache positions planned so far
+        self.scheduled = 0  # tokens whose sampling has been planned
+        self.done = False
+        self.stream = TextStream(tokenizer, req.params.stop)
+        self.result = Result(list(req.prompt_ids), seed=req.params.seed)
+        if req.params.prompt_logprobs >= 0:
+            self.result.prompt_logprobs = [None] * len(req.prompt_ids)
+            self.result.prompt_top_logprobs = [None] * len(req.prompt_ids)
 
-class EngineFailed(Exception):
-    """The engine stopped after an error, or is shutting down (HTTP 503)."""
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One step, identical on every rank. kind: "step" | "idle" | "stop"."""
-
-    kind: str = "step"
-    decode_slots: tuple[int, ...] = ()
-    decode_tokens: tuple[int, ...] = ()
-    decode_pos: tuple[int, ...] = ()
-    prefills: tuple[tuple[int, tuple[int, ...], int], ...] = ()  # (slot, chunk, start position)
+    @property
+    def decodable(self) -> bool:
+        return (not self.done and not self.prompt_left and 0 < self.scheduled
+                < self.req.params.max_new_tokens)  # fmt: skip
 
 
 @dataclass
-class Result:
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str = ""  # length | stop | eos | cancelled | error
-    logprobs: list[float] = field(default_factory=list)
-    ttft_s: float = 0.0
-    latency_s: float = 0.0
-    first_step: int = -1  # engine step that produced the first token
-    last_step: int = -1
+class InFlight:
+    """A launched step whose results have not been read yet."""
 
-
-@dataclass(frozen=True)
-class Event:
-    kind: str  # "token" | "done" | "error"
-    token_id: int = -1
-    text: str = ""
-    logprob: float = 0.0
-    result: Result | None = None
-    error: str = ""
-
-
-class Request:
-    _ids = itertools.count()
-
-    def __init__(
-        self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[Event], None]
-    ):  # noqa: E501
-        self.id = next(self._ids)
-        self.prompt_ids, self.params, self.sink = list(prompt_ids), params, sink
-        self.arrival = time.perf_counter()
-        self.cancelled = False
-
-
-class _Seq:
-    """A request in a slot (rank 0's bookkeeping)."""
-
-    def __init__(self, req: Request, slot: int, tokenizer, device):
-        self.req, self.slot = req, slot
-        self.prompt_left = list(req.prompt_ids)
-        self.pos = 0  # tokens already in this slot's cache
-        self.next_input: int | None = None
-        self.sampler = RowSampler(req.prompt_ids, req.params, device)
-        self.stream = TextStream(tokenizer, req.params.stop)
-        self.result = Result(list(req.prompt_ids))
-
-
-def execute(model, cache: KVCache, plan: Plan, device) -> tuple[torch.Tensor | None, list]:
-    """Run a plan's forwards on this rank: decode logits (n, V) and each prefill's last logits."""
-    decode_logits = None
-    if plan.decode_slots:
-        pos = torch.tensor(plan.decode_pos, device=device)
-        decode_logits = model(
-            torch.tensor(plan.decode_tokens, device=device)[:, None],
-            cache,
-            slots=torch.tensor(plan.decode_slots, device=device),
-            start_pos=pos,
-            valid_from=torch.zeros_like(pos),
-            kv_len=max(plan.decode_pos) + 1,
-        )
-    prefill_logits = []
-    for slot, chunk, start in plan.prefills:
-        prefill_logits.append(
-            model(
-                torch.tensor([chunk], device=device),
-                cache,
-                slots=torch.tensor([slot], device=device),
-                start_pos=torch.tensor([start], device=device),
-                valid_from=torch.zeros(1, dtype=torch.long, device=device),
-                kv_len=start + len(chunk),
-            )[0]
-        )
-    return decode_logits, prefill_logits
-
-
-def allocate_cache(loaded: LoadedModel, slots: int, max_seq: int) -> KVCache:
-    """The KV cache, then one warm-up decode step per row bucket of the int8 kernels
-    (kernels.ROW_BUCKETS: 1, 2-16, 17-32, 33-64 rows), so autotuning and compilation happen at
-    start-up, not on the first requests. Every rank calls this at the same point, so the steps'
-    collectives pair up. The steps write position 0 of the first slots; a request's prefill
-    overwrites it before any read."""
-    cache = KVCache.allocate(
-        loaded.shape, loaded.tp.tp_size, slots=slots, max_seq=max_seq,
-        dtype=loaded.dtype, device=loaded.device,
-    )  # fmt: skip
-    for rows in [1] + [b + 1 for b in ROW_BUCKETS[:-1]]:  # each bucket's smallest row count
-        if rows > slots:
-            break
-        ids = torch.zeros((rows, 1), dtype=torch.long, device=loaded.device)
-        zeros = torch.zeros(rows, dtype=torch.long, device=loaded.device)
-        slot_ids = torch.arange(rows, device=loaded.device)
-        loaded.model(ids, cache, slots=slot_ids, start_pos=zeros, valid_from=zeros, kv_len=1)
-    return cache
-
-
-def worker_loop(loaded: LoadedModel, ctx: DistContext, slots: int, max_seq: int) -> None:
-    """Ranks other than 0: run whatever rank 0 plans until it says stop."""
-    cache = allocate_cache(loaded, slots, max_seq)
-    while True:
-        plan: Plan = broadcast_object(None, ctx)
-        if plan.kind == "stop":
-            return
-        if plan.kind == "step":
-            execute(loaded.model, cache, plan, loaded.device)
-
-
-def server_worker_loop(loaded: LoadedModel, ctx: DistContext, cfg) -> None:
-    """`worker_loop` with the cache a server config gives (what `Engine.from_config` builds on
-    rank 0; memory.kv_slots is a collective, so both sides call it at the same point)."""
-    from .memory import kv_slots
-
-    worker_loop(loaded, ctx, kv_slots(loaded, cfg, ctx), cfg.server.max_seq_len)
+    index: int
+    rows: list[Sequence]
+    packed: torch.Tensor | None  # (rows, width) float32 on the host once `ready` has fired
+    ready: torch.cuda.Event | None
+    # (sequence, first prompt position, lp (r,), top ids (r, k) | None, top lps (r, k) | None)
+    prompt: list[tuple[Sequence, int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
+    ends: list[Sequence]  # requests whose last planned work is in this step (max_new_tokens 0)
 
 
 class Engine:
-    @classmethod
-    def from_config(cls, loaded: LoadedModel, ctx: DistContext, tokenizer, cfg) -> Engine:
-        """Rank 0's engine as the server config describes it: its queue and prefill limits,
-        and as many KV slots as server.max_batch_slots asks for and the GPU holds."""
-        from .memory import kv_slots
-
-        s = cfg.server
-        return cls(loaded, ctx, tokenizer, slots=kv_slots(loaded, cfg, ctx),
-                   max_seq=s.max_seq_len, max_queue=s.max_queue,
-                   max_prefill_tokens=s.max_prefill_tokens)  # fmt: skip
-
     def __init__(
-        self, loaded: LoadedModel, ctx: DistContext, tokenizer, *, slots: int, max_seq: int,
-        max_queue: int = 128, max_prefill_tokens: int = 512, heartbeat_s: float = 1.0,
+        self, runner: ModelRunner, ctx: DistContext, tokenizer, *, max_queue: int = 128,
+        max_prefill_tokens: int = 512, heartbeat_s: float = 1.0,
     ):  # fmt: skip
         assert ctx.is_rank0
-        self.loaded, self.ctx, self.tok = loaded, ctx, tokenizer
-        self.max_seq, self.max_queue = max_seq, max_queue
+        self.runner, self.ctx, self.tok = runner, ctx, tokenizer
+        self.loaded = runner.loaded
+        self.eos = self.loaded.shape.eos_token_id
+        self.vocab_size = self.loaded.shape.vocab_size
+        self.max_seq, self.max_queue = runner.max_seq, max_queue
+        assert max_prefill_tokens <= runner.max_prefill_tokens, "the step channel is too small"
         self.max_prefill_tokens, self.heartbeat_s = max_prefill_tokens, heartbeat_s
-        self.cache = allocate_cache(loaded, slots, max_seq)
-        self.free = list(range(slots))
-        self.running: dict[int, _Seq] = {}
+        self.channel = runner.channel
+        self.sampler = Sampler(slots=runner.slots, vocab_size=self.vocab_size,
+                               eos_token_id=self.eos, device=runner.device)  # fmt: skip
+        self.free = list(range(runner.slots))
+        self.running: dict[int, Sequence] = {}
         self.pending: collections.deque[Request] = collections.deque()
         self.cond = threading.Condition()
         self.steps = 0
         self.generated_tokens = 0
+        self.failed_requests = 0
         self.stopping = False
         self.failed = ""
 
-    # -- any thread -----------------------------------------------------------------------------
+    # -- any thread ------------------------------------------------------------------------------
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """A ValueError naming what is wrong with a request, before it is queued."""
         params.check()
         if not prompt_ids:
             raise ValueError("prompt: must not be empty")
+        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")  # fmt: skip
         if len(prompt_ids) + params.max_new_tokens > self.max_seq:
             raise ValueError(
                 f"max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens "
                 f"({params.max_new_tokens}) = {len(prompt_ids) + params.max_new_tokens} exceeds "
                 f"max_seq_len={self.max_seq}"
             )
+        if params.max_new_tokens == 0 and params.prompt_logprobs < 0:
+            raise ValueError(
+                "max_new_tokens: 0 generates nothing; it needs prompt log-probabilities "
+                "(echo with logprobs)"
+            )
 
     def submit(self, prompt_ids, params: SamplingParams, sink: Callable[[Event], None]) -> Request:
         self.check(prompt_ids, params)
+        if params.seed is None:  # an unseeded request still reports the seed it used
+            params = dataclasses.replace(params, seed=random.getrandbits(64))
         req = Request(prompt_ids, params, sink)
         with self.cond:
             if self.failed or self.stopping:
@@ -228,6 +143,13 @@ class Engine:
     def cancel(self, req: Request) -> None:
         with self.cond:
             req.cancelled = True
+            self.cond.notify()
+
+    def cancel_all(self) -> None:
+        """Cancel every queued and running request (shutdown past its timeout)."""
+        with self.cond:
+            for req in list(self.pending) + [s.req for s in self.running.values()]:
+                req.cancelled = True
             self.cond.notify()
 
     def stop(self) -> None:
@@ -246,31 +168,27 @@ class Engine:
     # -- rank 0's engine thread ------------------------------------------------------------------
     def run(self, *, until_idle: bool = False) -> None:
         """Serve until stop() (or, with until_idle, until nothing is queued or running)."""
+        inflight: InFlight | None = None
         try:
             while True:
                 with self.cond:
-                    if not (self.pending or self.running or self.stopping):
+                    if not (self.pending or self.running or self.stopping or inflight):
                         if until_idle:
                             break
                         self.cond.wait(self.heartbeat_s)
-                    if self.stopping and not self.pending and not self.running:
+                        if not (self.pending or self.running or self.stopping):
+                            self.channel.send(Step(IDLE))  # keep the other ranks' waits short
+                            continue
+                    if self.stopping and not (self.pending or self.running or inflight):
                         break
-                    busy = bool(self.pending or self.running)
-                if busy:
-                    self.step()
-                else:
-                    broadcast_object(Plan("idle"), self.ctx)
+                launched = self._launch_next()
+                if inflight is not None:
+                    self._complete(inflight)
+                inflight = launched
         except BaseException as e:
             self._fail(f"{type(e).__name__}: {e}")
             raise
-        broadcast_object(Plan("stop"), self.ctx)
-
-    def cancel_all(self, reason: str = "cancelled") -> None:
-        """Cancel every queued and running request (shutdown past its timeout)."""
-        with self.cond:
-            for req in list(self.pending) + [s.req for s in self.running.values()]:
-                req.cancelled = True
-            self.cond.notify()
+        self.channel.send(Step(STOP))
 
     def _fail(self, error: str) -> None:
         with self.cond:
@@ -282,6 +200,47 @@ class Engine:
         for req in reqs:
             req.sink(Event("error", error=error))
 
+    def _launch_next(self) -> InFlight | None:
+        """Admit, plan, send and launch the next step (None: nothing to run now)."""
+        for s in [s for s in self.running.values() if s.req.cancelled]:
+            self._finish(s, "cancelled")
+        self._admit()
+        step, rows, ends = self._plan()
+        if not (step.decode_slots or step.prefills):
+            return None
+        self.channel.send(step)
+        self.steps += 1
+        prompt = []
+        pf_seqs = [self.running[p.slot] for p in step.prefills]
+
+        def on_prompt_logits(i: int, offset: int, logits, targets) -> None:
+            s = pf_seqs[i]
+            lp, top_ids, top_lps = prompt_token_logprobs(logits, targets.clamp(min=0),
+                                                         s.req.params.prompt_logprobs)  # fmt: skip
+            # Position j of the chunk predicts prompt token start + j + 1.
+            prompt.append((s, step.prefills[i].start + offset + 1, lp, top_ids, top_lps))
+
+        logits = self.runner.execute(step, on_prompt_logits)
+        packed, ready = None, None
+        if rows:
+            slots, tokens, out = self.sampler.sample(
+                logits, [Row(s.slot, s.req.params, index) for s, index in rows]
+            )
+            self.runner.set_next_tokens(slots, tokens)
+            packed = self._to_host(out)
+        self.runner.share_next_tokens()
+        if self.runner.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return InFlight(self.steps, [s for s, _ in rows], packed, ready, prompt, ends)
+
+    def _to_host(self, out: torch.Tensor) -> torch.Tensor:
+        if out.device.type != "cuda":
+            return out
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        return host
+
     def _admit(self) -> None:
         with self.cond:
             keep = collections.deque()
@@ -291,83 +250,130 @@ class Engine:
                     self._finish_unstarted(req)
                 elif self.free:
                     slot = self.free.pop(0)
-                    self.running[slot] = _Seq(req, slot, self.tok, self.loaded.device)
+                    self.running[slot] = Sequence(req, slot, self.tok)
+                    self.sampler.admit(slot, req.prompt_ids, req.params)
                 else:
                     keep.append(req)
             self.pending = keep
 
     def _finish_unstarted(self, req: Request) -> None:
-        result = Result(list(req.prompt_ids), finish_reason="cancelled")
+        result = Result(list(req.prompt_ids), finish_reason="cancelled", seed=req.params.seed)
         result.latency_s = time.perf_counter() - req.arrival
         req.sink(Event("done", result=result))
 
-    def _plan(self) -> tuple[Plan, list[_Seq], list[_Seq]]:
-        decode = [s for s in self.running.values() if s.next_input is not None]
-        prefills, prefill_seqs, budget = [], [], self.max_prefill_tokens
-        for s in sorted(self.running.values(), key=lambda s: s.req.id):
-            if s.prompt_left and (budget > 0 or not prefills):
-                chunk = s.prompt_left[: max(budget, 1)]
-                prefills.append((s.slot, tuple(chunk), s.pos))
-                prefill_seqs.append(s)
-                budget -= len(chunk)
-        plan = Plan(
-            "step",
-            tuple(s.slot for s in decode), tuple(s.next_input for s in decode),
-            tuple(s.pos for s in decode), tuple(prefills),
-        )  # fmt: skip
-        return plan, decode, prefill_seqs
-
-    def step(self) -> None:
-        for s in [s for s in self.running.values() if s.req.cancelled]:
-            self._finish(s, "cancelled")
-        self._admit()
-        if not self.running:
-            return
-        plan, decode, prefill_seqs = self._plan()
-        broadcast_object(plan, self.ctx)
-        model, device = self.loaded.model, self.loaded.device
-        decode_logits, prefill_logits = execute(model, self.cache, plan, device)
-        self.steps += 1
-        for i, s in enumerate(decode):
+    def _plan(self) -> tuple[Step, list[tuple[Sequence, int]], list[Sequence]]:
+        """The next step, the rows it samples (sequence, token index), and the requests that
+        end with it (prompt log-probabilities only)."""
+        seqs = sorted(self.running.values(), key=lambda s: s.req.id)
+        rows, ends = [], []
+        decode = [s for s in seqs if s.decodable]
+        slots, positions = [], []
+        for s in decode:
+            slots.append(s.slot)
+            positions.append(s.pos)
+            rows.append((s, s.scheduled))
             s.pos += 1
-            self._sample(s, decode_logits[i])
-        for (_, chunk, _), s, logits in zip(plan.prefills, prefill_seqs, prefill_logits):
+            s.scheduled += 1
+        prefills, budget = [], self.max_prefill_tokens
+        for s in seqs:
+            if s.done or not s.prompt_left or (budget <= 0 and prefills):
+                continue
+            chunk = s.prompt_left[: max(budget, 1)]
+            last = len(chunk) == len(s.prompt_left)
+            params = s.req.params
+            sample = last and params.max_new_tokens > 0
+            prefills.append(Prefill(s.slot, s.pos, tuple(chunk), sample, params.prompt_logprobs,
+                                    -1 if last else s.prompt_left[len(chunk)]))  # fmt: skip
             s.pos += len(chunk)
             del s.prompt_left[: len(chunk)]
-            if not s.prompt_left:
-                self._sample(s, logits)
+            budget -= len(chunk)
+            if sample:
+                rows.append((s, 0))
+                s.scheduled = 1
+            elif last:
+                ends.append(s)
+        # The runner returns decode rows first, then the prefills in order: so are `rows`.
+        return Step(STEP, tuple(slots), tuple(positions), tuple(prefills)), rows, ends
 
-    def _sample(self, s: _Seq, logits: torch.Tensor) -> None:
-        token, logprob = s.sampler.next_token(logits)
+    def _complete(self, f: InFlight) -> None:
+        """Read a launched step's results (it ran while the next one was launched)."""
+        if f.ready is not None:
+            f.ready.synchronize()
+        for s, at, lp, top_ids, top_lps in f.prompt:
+            if s.done:
+                continue
+            self._guard(s, self._store_prompt_logprobs, s, at, lp, top_ids, top_lps)
+        data = f.packed.tolist() if f.packed is not None else []
+        for s, row in zip(f.rows, data):
+            if not s.done:
+                self._guard(s, self._deliver, s, row, f.index)
+        for s in f.ends:
+            if not s.done:
+                self._finish(s, "length")
+
+    def _guard(self, s: Sequence, fn, *args) -> None:
+        """Run one request's part of a step; an error ends that request alone."""
+        try:
+            fn(*args)
+        except Exception as e:  # any fault in one request's handling is that request's error
+            log.exception("request %d failed", s.req.id)
+            self._finish(s, "error", error=f"{type(e).__name__}: {e}")
+
+    def _store_prompt_logprobs(self, s: Sequence, at: int, lp, top_ids, top_lps) -> None:
+        r, n = s.result, len(s.req.prompt_ids)
+        values = lp.tolist()
+        ids = top_ids.tolist() if top_ids is not None else None
+        lps = top_lps.tolist() if top_lps is not None else None
+        for j, v in enumerate(values):
+            if at + j >= n:  # the last position predicts the first generated token
+                break
+            r.prompt_logprobs[at + j] = v
+            r.prompt_top_logprobs[at + j] = list(zip(ids[j], lps[j])) if ids is not None else []
+
+    def _deliver(self, s: Sequence, row: list[float], step_index: int) -> None:
+        token, logprob, finite = int(row[0]), row[1], row[2]
+        if not finite:
+            raise ValueError("the sampling distribution was not finite (NaN or infinite logits)")
+        k = s.req.params.top_n
+        top = tuple(zip(map(int, row[3 : 3 + k]), row[3 + MAX_TOP_N : 3 + MAX_TOP_N + k]))
         r = s.result
         if not r.token_ids:
-            r.ttft_s, r.first_step = time.perf_counter() - s.req.arrival, self.steps
+            r.ttft_s, r.first_step = time.perf_counter() - s.req.arrival, step_index
         r.token_ids.append(token)
         r.logprobs.append(logprob)
+        if k:
+            r.top_logprobs.append(list(top))
         self.generated_tokens += 1
         text = s.stream.add(token)
+        params = s.req.params
         reason = ""
-        if token == self.loaded.shape.eos_token_id:
+        if token == self.eos and not params.ignore_eos:  # (the sampler blocks it < min_tokens)
             reason = "eos"
         elif s.stream.stopped:
             reason = "stop"
-        elif len(r.token_ids) >= s.req.params.max_new_tokens:
+        elif len(r.token_ids) >= params.max_new_tokens:
             reason = "length"
+        r.last_step = step_index
         if reason:
-            text += s.stream.flush()  # the last token event carries all remaining text
-        s.req.sink(Event("token", token_id=token, text=text, logprob=logprob))
+            text += s.stream.finish()  # the last token event carries all remaining text
+        s.req.sink(Event("token", token_id=token, text=text, logprob=logprob, top=top))
         if reason:
             self._finish(s, reason)
-        else:
-            s.next_input = token
 
-    def _finish(self, s: _Seq, reason: str) -> None:
-        tail = s.stream.flush()  # non-empty only for a cancelled request
+    def _finish(self, s: Sequence, reason: str, *, error: str = "") -> None:
+        s.done = True
         r = s.result
+        tail = ""
+        if reason != "error":
+            tail = s.stream.finish()  # non-empty only for a cancelled request
         r.text, r.finish_reason = s.stream.text, reason
-        r.latency_s, r.last_step = time.perf_counter() - s.req.arrival, self.steps
+        r.latency_s = time.perf_counter() - s.req.arrival
         with self.cond:
             del self.running[s.slot]
             self.free.append(s.slot)
             self.free.sort()
-        s.req.sink(Event("done", text=tail, result=r))
+        if reason == "error":
+            self.failed_requests += 1
+            s.req.sink(Event("error", error=error, result=r))
+        else:
+            s.req.sink(Event("done", text=tail, result=r))

@@ -2,50 +2,42 @@
 
 The rank-0 path (an HF checkpoint): rank 0 reads config.json and checks the checkpoint against
 it, then all ranks agree (or all raise the same error). Every rank builds the model on the meta
-device. Rank 0 walks the plan tensor by tensor, reads only each rank's slice, quantizes it, and
-sends rank r exactly its slice over the gloo `weights` group; replicated tensors are broadcast.
-At most two slices are in flight on rank 0 (one being sent, the next being read), so host RAM
-grows with the largest slice, not with the model. Each rank copies what it receives to its
-device and drops the host buffer.
+device. Rank 0 walks the sharding specs tensor by tensor, reads only each rank's slice,
+quantizes it, and sends rank r exactly its slice over the gloo `weights` group; replicated
+tensors are broadcast. At most two slices are in flight on rank 0 (one being sent, the next
+being read), so host RAM grows with the largest slice, not with the model. Each rank copies
+what it receives to its device and drops the host buffer.
 
-What is not here: the sharded-checkpoint fast path (sharded.py), the TP plan (plan.py).
+The sharded path (a directory `mpinfer shard` wrote): each rank checks the manifest and its own
+file (sharded.py's checks), the ranks agree on every error, then each reads its own file to its
+device. What is not here: the sharded format itself (sharded.py), which tensor is split how
+(sharding.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from torch import nn
+from tqdm import tqdm
 
-from .checkpoint import CheckpointError, HFCheckpoint, read_config
+from . import sharded
+from .checkpoint import HFCheckpoint, inspect_checkpoint
 from .config import RunConfig
 from .dist import DistContext, broadcast_object, gather_objects
+from .hostmem import HostMemoryMonitor, return_large_frees_to_os
 from .layers import TPGroup
-from .memory import HostMemoryMonitor, check_fits, return_large_frees_to_os
-from .model import BloomModel
-from .plan import BloomShape, TensorPlan, plan_model, rank_entries, shard_tensor
+from .memory import check_fits
+from .model import DTYPES, BloomModel, BloomShape, LoadedModel
 from .quant import make_linear_method
+from .sharding import ShardSpec, rank_entries, shard_tensor, specs_for
 
 log = logging.getLogger("mpinfer")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class LoadedModel:
-    model: BloomModel
-    shape: BloomShape
-    tp: TPGroup
-    dtype: torch.dtype
-    device: torch.device
-    model_dir: str
-    load_seconds: float = 0.0
-    # Every rank's (start, peak, end) anonymous host RSS in MiB during the load; rank 0 only.
-    host_rss_mib: list[tuple[float, float, float]] | None = None
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -72,15 +64,6 @@ def build_meta_model(shape: BloomShape, tp: TPGroup, cfg: RunConfig, dtype) -> B
         return BloomModel(shape, tp, method=method, embedding_method=emb_method, dtype=dtype)
 
 
-def plans_for(shape: BloomShape, tp_size: int, cfg: RunConfig) -> list[TensorPlan]:
-    return plan_model(
-        shape,
-        tp_size,
-        quantize=cfg.quant.method != "none",
-        quantize_embeddings=cfg.quant.embeddings == "int8",
-    )
-
-
 def assign_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     """Replace the meta parameter `name` with `tensor` (already on the device)."""
     module_name, _, attr = name.rpartition(".")
@@ -104,36 +87,15 @@ def finish_model(model: BloomModel, device: torch.device) -> None:
     model.after_load(device)
 
 
-def check_checkpoint(ckpt: HFCheckpoint, plans: list[TensorPlan]) -> None:
-    for plan in plans:
-        if plan.name not in ckpt:
-            raise CheckpointError(
-                f"tensor {plan.name} is missing from the checkpoint in {ckpt.dir}"
-            )
-        found = ckpt.shape(plan.name)
-        if tuple(found) != plan.shape:
-            raise CheckpointError(
-                f"tensor {plan.name} has shape {tuple(found)} in the checkpoint, "
-                f"but config.json implies {plan.shape}"
-            )
-
-
-def inspect_checkpoint(cfg: RunConfig, tp_size: int) -> tuple[dict, BloomShape, HFCheckpoint]:
-    """Read config.json and check every planned tensor's presence and shape (no data read)."""
-    config_dict = read_config(cfg.model.path)
-    shape = BloomShape.from_config(config_dict)
-    shape.check_tp(tp_size)
-    ckpt = HFCheckpoint(cfg.model.path)
-    check_checkpoint(ckpt, plans_for(shape, tp_size, cfg))
-    return config_dict, shape, ckpt
-
-
 def agree_on_model(cfg: RunConfig, ctx: DistContext) -> tuple[BloomShape, int, HFCheckpoint | None]:
     """Rank 0 reads and checks config.json and the checkpoint; every rank gets the verdict."""
     error, config_dict, ckpt = None, None, None
     if ctx.is_rank0:
         try:
-            config_dict, _, ckpt = inspect_checkpoint(cfg, resolve_tp_size(cfg, ctx.world_size))
+            config_dict, _, ckpt = inspect_checkpoint(
+                cfg.model.path, resolve_tp_size(cfg, ctx.world_size),
+                quant=cfg.quant.method, embeddings=cfg.quant.embeddings,
+            )  # fmt: skip
         except ValueError as e:
             error = str(e)
     error, config_dict = broadcast_object((error, config_dict), ctx)
@@ -167,24 +129,24 @@ def _broadcast(t: torch.Tensor | None, shape, dtype, ctx: DistContext) -> torch.
     return buf.view(dtype).reshape(shape)
 
 
-def _stream_rank0(model, plans, ckpt: HFCheckpoint, tp_size, dtype, ctx: DistContext) -> None:
-    from tqdm import tqdm
-
-    total = sum(torch.Size(p.shape).numel() for p in plans)
+def _stream_rank0(
+    model, specs: list[ShardSpec], ckpt: HFCheckpoint, tp_size, dtype, ctx: DistContext
+) -> None:
+    total = sum(torch.Size(p.shape).numel() for p in specs)
     bar = tqdm(total=total, unit="param", unit_scale=True, desc="loading", mininterval=1.0)
     pending, held = [], None
-    for plan in plans:
-        if plan.split == "replicate":
-            tensors = shard_tensor(plan, ckpt.read(plan.name), tp_size, dtype)
+    for spec in specs:
+        if spec.split == "replicate":
+            tensors = shard_tensor(spec, ckpt.read(spec.name), tp_size, dtype)
             for name, t in tensors.items():
                 assign_tensor(model, name, _broadcast(t, t.shape, t.dtype, ctx).to(ctx.device))
         else:
             for r in range(tp_size):
-                rng = plan.rank_range(r, tp_size)
-                piece = ckpt.read(plan.name, *rng) if rng else ckpt.read(plan.name)
+                rng = spec.rank_range(r, tp_size)
+                piece = ckpt.read(spec.name, *rng) if rng else ckpt.read(spec.name)
                 # On a GPU, quantize there (much faster); what goes to other ranks returns to
                 # host memory as int8, half the bytes of the fp16 source.
-                tensors = shard_tensor(plan, piece.to(ctx.device), tp_size, dtype)
+                tensors = shard_tensor(spec, piece.to(ctx.device), tp_size, dtype)
                 if r > 0:
                     tensors = {k: t.cpu() for k, t in tensors.items()}
                 del piece
@@ -197,18 +159,18 @@ def _stream_rank0(model, plans, ckpt: HFCheckpoint, tp_size, dtype, ctx: DistCon
                 else:
                     pending = [_send(t, r, ctx) for t in tensors.values()]
                     held = tensors  # keep the buffers alive until their sends complete
-        bar.update(torch.Size(plan.shape).numel())
+        bar.update(torch.Size(spec.shape).numel())
     for w in pending:
         w.wait()
     del held
     bar.close()
 
 
-def _stream_other(model, plans, tp_size, dtype, ctx: DistContext) -> None:
-    for plan in plans:
-        for name, _, _ in rank_entries(plan, tp_size, dtype):
+def _stream_other(model, specs: list[ShardSpec], tp_size, dtype, ctx: DistContext) -> None:
+    for spec in specs:
+        for name, _, _ in rank_entries(spec, tp_size, dtype):
             meta = model.get_parameter(name)
-            if plan.split == "replicate":
+            if spec.split == "replicate":
                 t = _broadcast(None, meta.shape, meta.dtype, ctx)
             else:
                 t = _recv(meta.shape, meta.dtype, ctx)
@@ -217,13 +179,11 @@ def _stream_other(model, plans, tp_size, dtype, ctx: DistContext) -> None:
 
 def load_model(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
     """Load `cfg.model.path` onto every rank of `ctx` (an HF checkpoint or a sharded one)."""
-    from . import sharded
-
     return_large_frees_to_os()
     t0 = time.perf_counter()
     with HostMemoryMonitor() as mem:
-        if sharded.is_sharded(cfg.model.path, ctx):
-            loaded = sharded.load_sharded(cfg, ctx)
+        if sharded.is_sharded(cfg.model.path):
+            loaded = _load_sharded(cfg, ctx)
         else:
             loaded = _load_from_hf(cfg, ctx)
     return _report(loaded, t0, mem, ctx)
@@ -235,7 +195,7 @@ def _load_from_hf(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
     dtype = resolve_dtype(cfg.model.dtype, ctx.device)
     tp = TPGroup(ctx.rank, tp_size, ctx.compute_group if tp_size > 1 else None)
     model = build_meta_model(shape, tp, cfg, dtype)
-    plans = plans_for(shape, tp_size, cfg)
+    specs = specs_for(shape, tp_size, cfg.quant.method, cfg.quant.embeddings)
     if ctx.is_rank0:
         log.info(
             "loading %s (%.2f GB on disk) with tp=%d, quant=%s, dtype=%s",
@@ -245,11 +205,51 @@ def _load_from_hf(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
             cfg.quant.method,
             str(dtype)[6:],
         )
-        _stream_rank0(model, plans, ckpt, tp_size, dtype, ctx)
+        _stream_rank0(model, specs, ckpt, tp_size, dtype, ctx)
     else:
-        _stream_other(model, plans, tp_size, dtype, ctx)
+        _stream_other(model, specs, tp_size, dtype, ctx)
     finish_model(model, ctx.device)
     return LoadedModel(model, shape, tp, dtype, ctx.device, cfg.model.path)
+
+
+def _load_sharded(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
+    out = Path(cfg.model.path)
+    error, manifest = None, None
+    try:
+        manifest = sharded.read_manifest(out)
+        sharded.check_rank(cfg, manifest, out, ctx.rank, ctx.world_size)
+    except ValueError as e:
+        error = f"rank {ctx.rank}: {e}"
+    errors = [e for e in gather_everywhere(error, ctx) if e]
+    if errors:
+        raise ValueError("; ".join(errors))
+    tp_size = manifest["tp_size"]
+    shape = BloomShape.from_config(manifest["model_config"])
+    check_fits(shape, cfg, tp_size=tp_size, device=ctx.device)
+    dtype = resolve_dtype(cfg.model.dtype, ctx.device)
+    tp = TPGroup(ctx.rank, tp_size, ctx.compute_group if tp_size > 1 else None)
+    model = build_meta_model(shape, tp, cfg, dtype)
+    path = out / sharded.rank_file(ctx.rank, tp_size)
+    if ctx.is_rank0:
+        log.info("loading sharded %s (tp=%d, %s)", out, tp_size, manifest["quant"]["method"])
+    device = str(ctx.device) if ctx.device.type == "cuda" else "cpu"
+    with safe_open(str(path), framework="pt", device=device) as f:
+        for name in f.keys():
+            t = f.get_tensor(name)
+            if t.dtype != torch.int8 and not name.endswith("_scale"):
+                t = t.to(dtype)
+            assign_tensor(model, name, t.to(ctx.device))
+    finish_model(model, ctx.device)
+    return LoadedModel(model, shape, tp, dtype, ctx.device, str(out))
+
+
+def gather_everywhere(obj, ctx: DistContext) -> list:
+    """Every rank's `obj` on every rank (gloo): each rank can raise every rank's error."""
+    if ctx.world_size == 1:
+        return [obj]
+    every = [None] * ctx.world_size
+    dist.all_gather_object(every, obj, group=ctx.weights_group)
+    return every
 
 
 def _report(loaded: LoadedModel, t0: float, mem: HostMemoryMonitor, ctx) -> LoadedModel:

@@ -1,14 +1,18 @@
-"""BLOOM, tensor-parallel and int8-native, with a static KV cache.
+"""BLOOM, tensor-parallel and int8-native, with a static KV cache: the model layer.
 
-Attribute names copy the HF checkpoint (`h.3.self_attention.query_key_value.weight`), so a
-state dict maps one to one. Built on the meta device; the loader assigns real tensors. What is
-not here: loading (loader.py), sampling (generation.py), the TP plan (plan.py).
+What is here: `BloomShape` (the architecture numbers of a config.json), `BloomModel` (attribute
+names copy the HF checkpoint, `h.3.self_attention.query_key_value.weight`, so a state dict maps
+one to one; built on the meta device, the loader assigns real tensors), `KVCache`, and
+`LoadedModel` (a model with its place in the tensor-parallel group, what loading hands to the
+engine). What is not: loading (loader.py), the split of each tensor across ranks (sharding.py),
+the CUDA graphs of the decode step (runner.py), sampling (sampling.py).
 
 One forward serves prefill and decode for any set of cache slots: row b writes its T new tokens
 at cache positions [start_pos[b], start_pos[b] + T) of slot slots[b] and attends to positions
 [valid_from[b], start_pos[b] + t]; positions before valid_from[b] are left padding. `slots` may
-be a slice (a contiguous run of slots), which reads the cache through views; `DecodeGraph`
-captures that decode step in a CUDA graph.
+be a slice (a contiguous run of slots), which reads the cache through views. On a GPU the
+one-token step runs the fused kernels (kernels/), which skip rows whose slot is -1: the padding
+rows of a captured batch-size bucket write nowhere.
 """
 
 from __future__ import annotations
@@ -28,8 +32,81 @@ from .layers import (
     TPGroup,
     VocabParallelEmbedding,
 )
-from .plan import BloomShape
 from .quant import DenseMethod, LinearMethod
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def to_device(data, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host data (a list or a CPU tensor) on `device` without waiting for the GPU: a copy from
+    pageable memory would first wait for every kernel already queued (the step in flight), so
+    it goes through pinned memory, whose caching allocator keeps the block until the copy ran."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype or torch.long)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class BloomShape:
+    vocab_size: int
+    hidden_size: int
+    n_layer: int
+    n_head: int
+    layer_norm_epsilon: float = 1e-5
+    apply_residual_connection_post_layernorm: bool = False
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+    pad_token_id: int = 3
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.n_head
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> BloomShape:
+        model_type = cfg.get("model_type")
+        if model_type != "bloom":
+            raise ValueError(
+                f"config.json has model_type={model_type!r}: mpinfer serves BLOOM models only "
+                "(model_type 'bloom')"
+            )
+        # The bigscience repos use n_embed / num_attention_heads; save_pretrained writes the rest.
+        hidden = cfg.get("hidden_size", cfg.get("n_embed"))
+        n_head = cfg.get("n_head", cfg.get("num_attention_heads"))
+        n_layer = cfg.get("n_layer", cfg.get("num_hidden_layers"))
+        for key, value in (("hidden_size", hidden), ("n_head", n_head), ("n_layer", n_layer)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"config.json: {key}={value!r} must be a positive integer")
+        if hidden % n_head:
+            raise ValueError(
+                f"config.json: hidden_size={hidden} is not divisible by n_head={n_head}"
+            )
+
+        def token(key: str, default: int) -> int:
+            value = cfg.get(key)
+            return default if value is None else int(value)
+
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            n_layer=n_layer,
+            n_head=n_head,
+            layer_norm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)),
+            apply_residual_connection_post_layernorm=bool(
+                cfg.get("apply_residual_connection_post_layernorm", False)
+            ),
+            bos_token_id=token("bos_token_id", 1),
+            eos_token_id=token("eos_token_id", 2),
+            pad_token_id=token("pad_token_id", 3),
+        )
+
+    def check_tp(self, tp_size: int) -> None:
+        if self.n_head % tp_size:
+            raise ValueError(f"n_head={self.n_head} is not divisible by tp_size={tp_size}")
+
+    def vocab_per_rank(self, tp_size: int) -> int:
+        return -(-self.vocab_size // tp_size)  # ceil: the vocab is padded to a multiple of tp
 
 
 def alibi_slopes(n_head: int) -> torch.Tensor:
@@ -202,9 +279,11 @@ class BloomModel(nn.Module):
         start_pos: torch.Tensor,
         valid_from: torch.Tensor,
         kv_len: int,
-        last_only: bool = True,
+        output: str = "last",
     ) -> torch.Tensor:
-        """input_ids (B, T) -> logits (B, vocab) for the last token, or (B, T, vocab)."""
+        """input_ids (B, T) -> output "last": logits (B, vocab) of the last token; "all":
+        logits (B, T, vocab); "hidden": the final hidden states (B, T, hidden), which
+        `lm_head` turns into logits (a long prompt's, a few positions at a time)."""
         T = input_ids.shape[1]
         positions = start_pos[:, None] + torch.arange(T, device=input_ids.device)  # (B, T)
         fused, bias = None, None
@@ -219,41 +298,22 @@ class BloomModel(nn.Module):
         x = layer_norm(self.word_embeddings_layernorm, x, fused is not None)
         for i, block in enumerate(self.h):
             x = block(x, bias, cache.k[i], cache.v[i], slots, positions, kv_len, fused)
-        if last_only:
+        if output == "last":
             x = x[:, -1]
-        return self.lm_head(layer_norm(self.ln_f, x, fused is not None))
+        x = layer_norm(self.ln_f, x, fused is not None)
+        return x if output == "hidden" else self.lm_head(x)
 
 
-class DecodeGraph:
-    """The decode step of a static batch (slots 0..B-1, attention over the whole cache) captured
-    in a CUDA graph: one replay launches every kernel of the step. Rebuild it for another batch
-    size or cache length."""
+@dataclass
+class LoadedModel:
+    """A loaded model and what the engine needs to know about it."""
 
-    def __init__(self, model: BloomModel, cache: KVCache, batch: int):
-        device = cache.k[0].device
-        self.ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
-        self.start_pos = torch.zeros(batch, dtype=torch.long, device=device)
-        self.valid_from = torch.zeros(batch, dtype=torch.long, device=device)
-        kw = dict(slots=slice(0, batch), kv_len=cache.max_seq)
-
-        def step():
-            return model(
-                self.ids, cache, start_pos=self.start_pos, valid_from=self.valid_from, **kw
-            )
-
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: autotuning and lazy init happen outside the capture
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = step()
-
-    def __call__(self, ids: torch.Tensor, start_pos: torch.Tensor, valid_from: torch.Tensor):
-        self.ids.copy_(ids)
-        self.start_pos.copy_(start_pos)
-        self.valid_from.copy_(valid_from)
-        self.graph.replay()
-        return self.logits
+    model: BloomModel
+    shape: BloomShape
+    tp: TPGroup
+    dtype: torch.dtype
+    device: torch.device
+    model_dir: str
+    load_seconds: float = 0.0
+    # Every rank's (start, peak, end) anonymous host RSS in MiB during the load; rank 0 only.
+    host_rss_mib: list[tuple[float, float, float]] | None = None

@@ -21,6 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .extras import require
+from .kernels import epilogue, int8_linear
+
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8 [out, in], scale float32 [out]); an all-zero row gets scale 1 and q 0."""
@@ -35,15 +38,6 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float()[:, None]
 
 
-def epilogue(y: torch.Tensor, *, gelu: bool, residual: torch.Tensor | None) -> torch.Tensor:
-    """BLOOM's elementwise neighbours of a linear layer, as separate torch ops: its GeLU (the
-    tanh approximation; 0.79788456 is sqrt(2/pi) to 8 digits, and torch computes it in one
-    pass) and the residual add. What the GPU decode kernel does in its own epilogue."""
-    if gelu:
-        y = F.gelu(y, approximate="tanh")
-    return y + residual if residual is not None else y
-
-
 def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
     # Built under torch.device("meta") by the model; the loader assigns real tensors.
     return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
@@ -53,6 +47,8 @@ class LinearMethod(ABC):
     """Creates a layer's weight storage and computes `x @ W^T (+ bias)` for it."""
 
     is_quantized = False
+    # Whether its decode matmul can be captured in a CUDA graph (static shapes, no host syncs).
+    supports_cuda_graphs = True
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int, dtype):
@@ -106,16 +102,12 @@ class Int8Method(LinearMethod):
         layer.compute_dtype = dtype
 
     def apply(self, layer, x, bias):
-        if self.use_kernels and x.is_cuda:
-            from .kernels import int8_linear  # lazy: Triton is imported on GPU machines only
-
+        if self.use_kernels and x.is_cuda:  # Triton kernels (imported on a GPU only)
             return int8_linear(x, layer.weight, layer.weight_scale, bias)
         return int8_linear_reference(x, layer.weight, layer.weight_scale, bias)
 
     def apply_fused(self, layer, x, bias, *, gelu=False, residual=None):
         if self.use_kernels and x.is_cuda:
-            from .kernels import int8_linear
-
             return int8_linear(
                 x, layer.weight, layer.weight_scale, bias, gelu=gelu, residual=residual
             )
@@ -136,6 +128,9 @@ def int8_linear_reference(
 
 class BnbInt8Method(Int8Method):
     """bitsandbytes LLM.int8(): activations quantized per row, outlier columns kept in fp16."""
+
+    # Outlier columns are found per call (data-dependent shapes): no CUDA graph.
+    supports_cuda_graphs = False
 
     def __init__(self, *, threshold: float):
         super().__init__(use_kernels=False)
@@ -167,11 +162,6 @@ def make_linear_method(method: str, *, threshold: float = 6.0) -> LinearMethod:
     if method == "int8":
         return Int8Method()
     if method == "llm.int8":
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError as e:
-            raise ValueError(
-                f"quant.method='llm.int8' needs bitsandbytes, which failed: {e}"
-            ) from None
+        require("bitsandbytes")  # a clear error naming the extra, before any weight moves
         return BnbInt8Method(threshold=threshold)
     raise ValueError(f"quant.method={method!r}: expected int8, llm.int8 or none")

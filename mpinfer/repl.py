@@ -26,15 +26,20 @@ import dataclasses
 import json
 import os
 import queue
+import readline
+import select
 import signal
 import sys
+import termios
 import threading
 import time
 from pathlib import Path
 
-from .cli import load_tokenizer, run_rank, sampling_params
-from .config import add_config_args, config_from_args
-from .generation import SamplingParams
+import httpx
+
+from .config import add_config_args, config_from_args, load_config
+from .runtime import default_params, run_rank, start
+from .sampling import SamplingParams
 
 HELP = """commands:
   /set key=value   temperature, top_k, top_p, typical_p, repetition_penalty, max_new_tokens,
@@ -74,10 +79,15 @@ def apply_set(params: SamplingParams, arg: str) -> SamplingParams:
     return new.check()
 
 
+SHOWN = ("max_new_tokens", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+         "seed", "stop")  # fmt: skip
+
+
 def show(params: SamplingParams) -> str:
-    d = dataclasses.asdict(params)
-    d["greedy"] = not d.pop("do_sample")
-    d.pop("logprobs")
+    d = {k: getattr(params, k) for k in SHOWN}
+    d["greedy"] = not params.do_sample
+    if d["seed"] is None:
+        d["seed"] = "random"
     return "  ".join(f"{k}={v!r}" if k == "stop" else f"{k}={v}" for k, v in d.items())
 
 
@@ -89,9 +99,6 @@ class Terminal:
         self.history = Path(history).expanduser()
         self.saved = None
         if self.tty:
-            import readline
-            import termios
-
             with contextlib.suppress(OSError):
                 readline.read_history_file(self.history)
             readline.set_history_length(1000)
@@ -106,9 +113,6 @@ class Terminal:
 
     def close(self) -> None:
         if self.saved is not None:
-            import readline
-            import termios
-
             with contextlib.suppress(OSError):
                 readline.write_history_file(self.history)
             termios.tcsetattr(sys.stdin.fileno(), termios.TCSADRAIN, self.saved)
@@ -127,8 +131,6 @@ class Terminal:
                     return None
                 line = line.rstrip("\n")
             elif line.endswith("^C"):
-                import readline
-
                 n = readline.get_current_history_length()
                 if n:
                     readline.remove_history_item(n - 1)
@@ -149,8 +151,6 @@ class Terminal:
         if not self.tty:
             yield
             return
-        import termios
-
         fd = sys.stdin.fileno()
         mode = [list(a) if isinstance(a, list) else a for a in self.prompt_mode]
         mode[3] &= ~(termios.ICANON | termios.ECHO)
@@ -165,8 +165,6 @@ class Terminal:
         """Whether Ctrl-C was pressed since the last look (other keys are dropped)."""
         if not self.tty:
             return False
-        import select
-
         fd = sys.stdin.fileno()
         hit = False
         while select.select([fd], [], [], 0)[0]:
@@ -220,8 +218,6 @@ class HttpBackend:
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
 
     def stream(self, prompt: str, params: SamplingParams, on_text, interrupted) -> dict:
-        import httpx
-
         body = {"inputs": prompt, "parameters": {
             "max_new_tokens": params.max_new_tokens, "do_sample": params.do_sample,
             "temperature": params.temperature if params.do_sample else None,
@@ -318,8 +314,6 @@ def _parser() -> argparse.ArgumentParser:
 def repl_main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.url:
-        from .config import load_config
-
         try:
             cfg = load_config(args.config, args.overrides)
         except ValueError as e:
@@ -327,7 +321,7 @@ def repl_main(argv: list[str] | None = None) -> int:
             return 2
         term = Terminal(args.history)
         try:
-            return run_repl(HttpBackend(args.url, args.api_key), sampling_params(cfg), term)
+            return run_repl(HttpBackend(args.url, args.api_key), default_params(cfg), term)
         finally:
             term.close()
     try:
@@ -339,21 +333,16 @@ def repl_main(argv: list[str] | None = None) -> int:
 
 
 def _repl_rank(cfg, args, ctx) -> None:
-    from .engine import Engine, server_worker_loop
-    from .loader import load_model
-
     if not ctx.is_rank0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 owns Ctrl-C
-        server_worker_loop(load_model(cfg, ctx), ctx, cfg)
+        start(cfg, ctx)
         return
-    loaded = load_model(cfg, ctx)
-    tok = load_tokenizer(loaded.model_dir)
-    engine = Engine.from_config(loaded, ctx, tok, cfg)
+    engine = start(cfg, ctx)
     runner = threading.Thread(target=engine.run, name="engine", daemon=True)
     runner.start()
     term = Terminal(args.history)
     try:
-        code = run_repl(EngineBackend(engine, tok), sampling_params(cfg), term)
+        code = run_repl(EngineBackend(engine, engine.tok), default_params(cfg), term)
     finally:
         term.close()
         engine.stop()

@@ -1,4 +1,5 @@
-"""Pre-sharded int8 checkpoints: `mpinfer shard`, `mpinfer verify`, and the fast load path.
+"""The pre-sharded int8 format: writing it (`mpinfer shard`), verifying it, and the checks a rank
+makes before it loads its own file (the load itself: loader.py).
 
     DIR/mpinfer.json                      manifest, written last (see `write_manifest`)
     DIR/rank-00000-of-00008.safetensors   rank 0's tensors, mpinfer names: int8 + scales
@@ -12,32 +13,32 @@ renamed when complete and recorded in a journal; an interrupted run leaves only 
 and the journal, and a rerun keeps the finished rank files whose checksum still matches. The
 manifest is written last, by rename, so a directory with a manifest is a finished one.
 
+`--ranks A-B` writes only those ranks' files (and a manifest listing only them), so each host of
+a multi-host job prepares the part its own ranks read.
+
 Loading: each rank checks the manifest against its config and the world size, and its own file
-(size, and sha256 unless `model.verify = false`), all before any GPU memory is taken; the ranks
-then agree (every rank raises every rank's error), and each reads its own file to its device.
+(size, and sha256 unless `model.verify = false`), all before any GPU memory is taken.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
 import os
 import shutil
+import socket
 import struct
-import sys
-import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from . import __version__
-from .checkpoint import CheckpointError, read_config
-from .config import RunConfig, load_config
-from .dist import DistContext
-from .memory import HostMemoryMonitor, return_large_frees_to_os
-from .plan import BloomShape, rank_entries, shard_tensor
+from .checkpoint import CheckpointError, inspect_checkpoint, read_config
+from .config import RunConfig
+from .model import DTYPES
+from .sharding import rank_entries, shard_tensor, specs_for
 
 log = logging.getLogger("mpinfer")
 
@@ -123,27 +124,23 @@ def shard_checkpoint(
     quant: str = "int8",
     embeddings: str = "none",
     dtype: str = "auto",
+    ranks: list[int] | None = None,
     progress: bool = True,
 ) -> dict:
-    """Write DIR (see the module docstring); returns the manifest. Resumes an interrupted run."""
-    from tqdm import tqdm
-
-    from .loader import DTYPES, inspect_checkpoint, plans_for
-
+    """Write DIR (see the module docstring); returns the manifest. Resumes an interrupted run.
+    `ranks`: write only these ranks' files (default: all)."""
     if tp_size < 1:
         raise ValueError(f"--tp={tp_size} must be >= 1")
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"--dtype={dtype!r}: expected auto or one of {list(DTYPES)}")
-    cfg = load_config(
-        None,
-        [
-            f'model.path="{model_dir}"',
-            f'quant.method="{quant}"',
-            f'quant.embeddings="{embeddings}"',
-        ],
-    )
-    config_dict, shape, ckpt = inspect_checkpoint(cfg, tp_size)
-    plans = plans_for(shape, tp_size, cfg)
+    ranks = sorted(set(range(tp_size) if ranks is None else ranks))
+    if not ranks or ranks[0] < 0 or ranks[-1] >= tp_size:
+        raise ValueError(
+            f"--ranks {ranks}: every rank must be in 0..{tp_size - 1} (--tp={tp_size})"
+        )
+    config_dict, shape, ckpt = inspect_checkpoint(model_dir, tp_size, quant=quant,
+                                                  embeddings=embeddings)  # fmt: skip
+    specs = specs_for(shape, tp_size, quant, embeddings)
     src, out = Path(model_dir), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if src.resolve() == out.resolve():
@@ -152,6 +149,7 @@ def shard_checkpoint(
         "format": FORMAT,
         "version": VERSION,
         "tp_size": tp_size,
+        "ranks": ranks,
         "quant": {"method": quant, "embeddings": embeddings},
         "dtype": dtype,
         "source": {"path": str(src.resolve()), "fingerprint": source_fingerprint(src)},
@@ -169,19 +167,11 @@ def shard_checkpoint(
         stale.unlink()
 
     files = {}
-    source_bytes = sum(
-        torch.Size(p.rank_shape(tp_size)).numel() * ckpt.dtype(p.name).itemsize * tp_size
-        for p in plans
-    )
-    bar = tqdm(
-        total=source_bytes,
-        unit="B",
-        unit_scale=True,
-        desc="sharding",
-        disable=not progress,
-        mininterval=1.0,
-    )
-    for r in range(tp_size):
+    # The bar counts source bytes as they are read, so its total is the same sum.
+    bar = tqdm(total=sum(_read_bytes(ckpt, p, r, tp_size) for r in ranks for p in specs),
+               unit="B", unit_scale=True, desc="sharding", disable=not progress,
+               mininterval=1.0)  # fmt: skip
+    for r in ranks:
         name = rank_file(r, tp_size)
         final = out / name
         rec = done.get(name)
@@ -193,9 +183,9 @@ def shard_checkpoint(
         ):
             log.info("%s: finished by an earlier run, checksum matches; kept", name)
             files[name] = rec
-            bar.update(source_bytes // tp_size)
+            bar.update(sum(_read_bytes(ckpt, p, r, tp_size) for p in specs))
             continue
-        files[name] = _write_rank(ckpt, plans, r, tp_size, dtype, out, name, bar)
+        files[name] = _write_rank(ckpt, specs, r, tp_size, dtype, out, name, bar)
         done[name] = files[name]
         _write_json_atomic(journal_path, {"settings": settings, "files": done})
     bar.close()
@@ -204,6 +194,7 @@ def shard_checkpoint(
         **settings,
         "model_config": config_dict,
         "files": [{"name": n, **files[n]} for n in sorted(files)],
+        "host": socket.gethostname(),
         "mpinfer_version": __version__,
     }
     _write_json_atomic(manifest_path, manifest)
@@ -211,20 +202,28 @@ def shard_checkpoint(
     return manifest
 
 
-def _write_rank(ckpt, plans, r, tp_size, dtype, out, name, bar) -> dict:
-    from .loader import DTYPES
+def _read_bytes(ckpt, spec, r: int, tp_size: int) -> int:
+    """Source bytes rank r's file reads of one tensor (all of it, or its slice)."""
+    rng = spec.rank_range(r, tp_size)
+    shape = list(ckpt.shape(spec.name))
+    if rng:
+        dim, start, stop = rng
+        shape[dim] = stop - start
+    return torch.Size(shape).numel() * ckpt.dtype(spec.name).itemsize
 
+
+def _write_rank(ckpt, specs, r, tp_size, dtype, out, name, bar) -> dict:
     target = None if dtype == "auto" else DTYPES[dtype]  # None: as stored in the source
     entries = []
-    for p in plans:
+    for p in specs:
         entries += rank_entries(p, tp_size, target or ckpt.dtype(p.name))
     tmp = out / f"{name}.tmp-{os.getpid()}"
     writer = StreamingSafetensorsWriter(tmp, entries)
     try:
-        for p in plans:
+        for p in specs:
             rng = p.rank_range(r, tp_size)
             piece = ckpt.read(p.name, *rng) if rng else ckpt.read(p.name)
-            bar.update(piece.numel() * piece.element_size() * (tp_size if not rng else 1))
+            bar.update(piece.numel() * piece.element_size())
             for tname, t in shard_tensor(p, piece, tp_size, target).items():
                 writer.write(tname, t)
         sha = writer.close()
@@ -278,8 +277,8 @@ def read_manifest(out: Path) -> dict:
     return manifest
 
 
-# -- loading -----------------------------------------------------------------------------------
-def is_sharded(path: str, ctx: DistContext | None = None) -> bool:
+# -- checks at load time ---------------------------------------------------------------------
+def is_sharded(path: str) -> bool:
     p = Path(path)
     if (p / MANIFEST).is_file():
         return True
@@ -316,12 +315,17 @@ def check_rank(cfg: RunConfig, manifest: dict, out: Path, rank: int, world: int)
         )
     if read_config(out) != manifest["model_config"]:
         raise ValueError(f"{out}/config.json does not match the model config in its manifest")
+    host = socket.gethostname()
     entry = next((f for f in manifest["files"] if f["name"] == rank_file(rank, tp)), None)
     if entry is None:
-        raise ValueError(f"{out}/{MANIFEST} lists no file for rank {rank}")
+        raise ValueError(
+            f"rank {rank} on host {host}: {out}/{MANIFEST} lists no {rank_file(rank, tp)} "
+            f"(this directory holds ranks {manifest.get('ranks', 'all')}): run `mpinfer shard "
+            f"--ranks` for this host's ranks"
+        )
     path = out / entry["name"]
     if not path.is_file():
-        raise CheckpointError(f"rank file {path} is missing")
+        raise CheckpointError(f"rank file {path} is missing (rank {rank} on host {host})")
     size = path.stat().st_size
     if size != entry["bytes"]:
         raise CheckpointError(
@@ -329,95 +333,3 @@ def check_rank(cfg: RunConfig, manifest: dict, out: Path, rank: int, world: int)
         )
     if cfg.model.verify and sha256_file(path) != entry["sha256"]:
         raise CheckpointError(f"rank file {path}: sha256 does not match the manifest (altered?)")
-
-
-def load_sharded(cfg: RunConfig, ctx: DistContext):
-    from safetensors import safe_open
-
-    from .layers import TPGroup
-    from .loader import LoadedModel, assign_tensor, build_meta_model, finish_model, resolve_dtype
-
-    out = Path(cfg.model.path)
-    error, manifest = None, None
-    try:
-        manifest = read_manifest(out)
-        check_rank(cfg, manifest, out, ctx.rank, ctx.world_size)
-    except ValueError as e:
-        error = f"rank {ctx.rank}: {e}"
-    errors = _all_gather_errors(error, ctx)
-    if errors:
-        raise ValueError("; ".join(errors))
-    tp_size = manifest["tp_size"]
-    shape = BloomShape.from_config(manifest["model_config"])
-    from .memory import check_fits
-
-    check_fits(shape, cfg, tp_size=tp_size, device=ctx.device)
-    dtype = resolve_dtype(cfg.model.dtype, ctx.device)
-    tp = TPGroup(ctx.rank, tp_size, ctx.compute_group if tp_size > 1 else None)
-    model = build_meta_model(shape, tp, cfg, dtype)
-    path = out / rank_file(ctx.rank, tp_size)
-    if ctx.is_rank0:
-        log.info("loading sharded %s (tp=%d, %s)", out, tp_size, manifest["quant"]["method"])
-    device = str(ctx.device) if ctx.device.type == "cuda" else "cpu"
-    with safe_open(str(path), framework="pt", device=device) as f:
-        for name in f.keys():
-            t = f.get_tensor(name)
-            if t.dtype not in (torch.int8,) and not name.endswith("_scale"):
-                t = t.to(dtype)
-            assign_tensor(model, name, t.to(ctx.device))
-    finish_model(model, ctx.device)
-    return LoadedModel(model, shape, tp, dtype, ctx.device, str(out))
-
-
-def _all_gather_errors(error: str | None, ctx: DistContext) -> list[str]:
-    if ctx.world_size == 1:
-        return [error] if error else []
-    import torch.distributed as dist
-
-    every = [None] * ctx.world_size
-    dist.all_gather_object(every, error, group=ctx.weights_group)
-    return [e for e in every if e]
-
-
-# -- commands ----------------------------------------------------------------------------------
-def shard_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mpinfer shard", description=shard_checkpoint.__doc__)
-    p.add_argument("--model", required=True, help="HF checkpoint directory")
-    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--quant", default="int8", choices=("int8", "llm.int8", "none"))
-    p.add_argument("--embeddings", default="none", choices=("none", "int8"))
-    p.add_argument("--dtype", default="auto", help="dtype of unquantized tensors (auto: as stored)")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    return_large_frees_to_os()
-    t0 = time.perf_counter()
-    try:
-        with HostMemoryMonitor() as mem:
-            m = shard_checkpoint(
-                a.model, a.out, tp_size=a.tp, quant=a.quant, embeddings=a.embeddings, dtype=a.dtype
-            )
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    total = sum(f["bytes"] for f in m["files"])
-    print(
-        f"wrote {len(m['files'])} rank files ({total / 1e9:.2f} GB) to {a.out} in "
-        f"{time.perf_counter() - t0:.1f} s; peak anonymous host RAM {mem.peak_mib:.0f} MiB "
-        f"(+{mem.peak_mib - mem.start_mib:.0f} over start)"
-    )
-    return 0
-
-
-def verify_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mpinfer verify", description="check every checksum of DIR")
-    p.add_argument("dir")
-    a = p.parse_args(argv)
-    try:
-        problems = verify_dir(Path(a.dir))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for line in problems:
-        print(f"BAD {line}")
-    return 1 if problems else 0

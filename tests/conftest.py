@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mpinfer.dist import torchrun_command
-from mpinfer.tiny import make_tiny
+from mpinfer.tools.tiny import make_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 # The shape every multi-process test shares: 4 heads (tp 1, 2, 4), a vocab of 1001 that no tp

@@ -6,18 +6,21 @@ process groups; rank 0 writes what each produced as JSON.
 With `fault`, rank 1's model raises on its third forward instead (the fault-injection test).
 """
 
+import copy
 import dataclasses
 import json
 import sys
 import threading
 import time
 
-from mpinfer.cli import load_tokenizer
 from mpinfer.config import load_config
 from mpinfer.dist import init_distributed, teardown
-from mpinfer.engine import Engine, QueueFull, worker_loop
-from mpinfer.generation import SamplingParams
+from mpinfer.engine import Engine
+from mpinfer.request import QueueFull
 from mpinfer.loader import load_model
+from mpinfer.runner import ModelRunner, run_worker
+from mpinfer.runtime import load_tokenizer
+from mpinfer.sampling import SamplingParams
 
 SLOTS, MAX_SEQ = 4, 96
 PROMPTS = [
@@ -46,7 +49,7 @@ def as_dict(r):
     return dataclasses.asdict(r)
 
 
-def scenarios(loaded, ctx, tok):
+def scenarios(runner, ctx, tok):
     """Each yields an Engine that it drives with run(); the workers mirror with worker_loop."""
     enc = [tok.encode(p, add_special_tokens=False).ids for p in PROMPTS]
     greedy = [SamplingParams(max_new_tokens=b) for b in BUDGETS]
@@ -55,7 +58,7 @@ def scenarios(loaded, ctx, tok):
     # 1. Each request alone, one after another.
     alone = []
     for ids, params in zip(enc, greedy):
-        engine = Engine(loaded, ctx, tok, slots=SLOTS, max_seq=MAX_SEQ)
+        engine = Engine(runner, ctx, tok)
         _, box = collect(engine, ids, params)
         engine.run(until_idle=True)
         alone.append(as_dict(box["result"]))
@@ -63,12 +66,12 @@ def scenarios(loaded, ctx, tok):
 
     # 2. All eight at once (4 slots: half wait in the queue, then join as others leave), plus a
     #    request that arrives while the first ones decode.
-    engine = Engine(loaded, ctx, tok, slots=SLOTS, max_seq=MAX_SEQ)
+    engine = Engine(runner, ctx, tok)
     boxes = [collect(engine, ids, p)[1] for ids, p in zip(enc, greedy)]
     engine.run(until_idle=True)
     out["batched"] = [as_dict(b["result"]) for b in boxes]
 
-    engine = Engine(loaded, ctx, tok, slots=SLOTS, max_seq=MAX_SEQ)
+    engine = Engine(runner, ctx, tok)
     first_events, late = [], {}
 
     def feeder():
@@ -88,7 +91,7 @@ def scenarios(loaded, ctx, tok):
                              top_p=0.95, seed=1234)  # fmt: skip
     runs = []
     for others in (0, 0, 3):
-        engine = Engine(loaded, ctx, tok, slots=SLOTS, max_seq=MAX_SEQ)
+        engine = Engine(runner, ctx, tok)
         for k in range(others):
             collect(engine, enc[3 + k], dataclasses.replace(sampled, seed=k))
         _, box = collect(engine, enc[0], sampled)
@@ -100,7 +103,7 @@ def scenarios(loaded, ctx, tok):
     ref = alone[0]
     pieces = [tok.decode([t]) for t in ref["token_ids"]]
     stop = "".join(pieces[3:6])
-    engine = Engine(loaded, ctx, tok, slots=SLOTS, max_seq=MAX_SEQ)
+    engine = Engine(runner, ctx, tok)
     events = []
     _, box = collect(engine, enc[0], dataclasses.replace(greedy[0], stop=(stop, "\u2603")), events)
     engine.run(until_idle=True)
@@ -113,16 +116,17 @@ def scenarios(loaded, ctx, tok):
 
     # 5. EOS: pretend the 4th greedy token is EOS.
     eos = ref["token_ids"][3]
-    eos_loaded = dataclasses.replace(
-        loaded, shape=dataclasses.replace(loaded.shape, eos_token_id=eos)
+    eos_runner = copy.copy(runner)  # the same cache and graphs, a model whose EOS is `eos`
+    eos_runner.loaded = dataclasses.replace(
+        runner.loaded, shape=dataclasses.replace(runner.loaded.shape, eos_token_id=eos)
     )
-    engine = Engine(eos_loaded, ctx, tok, slots=SLOTS, max_seq=MAX_SEQ)
+    engine = Engine(eos_runner, ctx, tok)
     _, box = collect(engine, enc[0], greedy[0])
     engine.run(until_idle=True)
     out["eos"] = {"eos": eos, "result": as_dict(box["result"])}
 
     # 6. Cancel a long request after two tokens; its slot is free at the next step.
-    engine = Engine(loaded, ctx, tok, slots=SLOTS, max_seq=MAX_SEQ)
+    engine = Engine(runner, ctx, tok)
     events = []
     req, box = collect(engine, enc[0], SamplingParams(max_new_tokens=60), events)
 
@@ -139,7 +143,7 @@ def scenarios(loaded, ctx, tok):
                      "running": engine.running_slots}  # fmt: skip
 
     # 7. A full queue rejects with a clear error (no run needed; stop ends the workers' loop).
-    engine = Engine(loaded, ctx, tok, slots=SLOTS, max_seq=MAX_SEQ, max_queue=2)
+    engine = Engine(runner, ctx, tok, max_queue=2)
     collect(engine, enc[0], greedy[0])
     collect(engine, enc[1], greedy[1])
     try:
@@ -157,11 +161,11 @@ def scenarios(loaded, ctx, tok):
     # 8. Chunked prefill: a 60-token prompt arrives while a request decodes; with 16 prompt
     #    tokens a step, the decoding request still gets a token every step.
     long_ids = (enc[7] * 4)[:60]
-    engine = Engine(loaded, ctx, tok, slots=SLOTS, max_seq=MAX_SEQ, max_prefill_tokens=16)
+    engine = Engine(runner, ctx, tok, max_prefill_tokens=16)
     _, box = collect(engine, long_ids, SamplingParams(max_new_tokens=5))
     engine.run(until_idle=True)
     long_alone = as_dict(box["result"])
-    engine = Engine(loaded, ctx, tok, slots=SLOTS, max_seq=MAX_SEQ, max_prefill_tokens=16)
+    engine = Engine(runner, ctx, tok, max_prefill_tokens=16)
     first_events, late = [], {}
 
     def feeder2():
@@ -188,6 +192,7 @@ def main(model_dir, out_path, fault=False):
     ctx = init_distributed(timeout_s=cfg.parallel.timeout_s)
     try:
         loaded = load_model(cfg, ctx)
+        runner = ModelRunner(loaded, ctx, slots=SLOTS, max_seq=MAX_SEQ)
         if fault and ctx.rank == 1:
             calls = {"n": 0}
             forward = loaded.model.forward
@@ -200,12 +205,12 @@ def main(model_dir, out_path, fault=False):
 
             loaded.model.forward = faulty
         if ctx.is_rank0:
-            out = scenarios(loaded, ctx, load_tokenizer(model_dir))
+            out = scenarios(runner, ctx, load_tokenizer(model_dir))
             with open(out_path, "w") as f:
                 json.dump(out, f)
         else:
             for _ in range(N_SCENARIOS):
-                worker_loop(loaded, ctx, SLOTS, MAX_SEQ)
+                run_worker(runner)
     finally:
         teardown()
 

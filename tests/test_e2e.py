@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from mpinfer.checkpoint import HFCheckpoint
-from mpinfer.plan import BloomShape, plan_model
+from mpinfer.model import BloomShape
 from mpinfer.quant import dequantize_rows, quantize_rows
 from mpinfer.sharded import shard_checkpoint
+from mpinfer.sharding import shard_specs
 
 from .conftest import torchrun
 
@@ -109,16 +110,16 @@ def dequantized_oracle(hf_model, ckpt_dir, tp_size):
     shape = BloomShape.from_config(json.loads((ckpt_dir / "config.json").read_text()))
     model = copy.deepcopy(hf_model)
     state = model.transformer.state_dict()
-    for plan in plan_model(shape, tp_size, quantize=True, quantize_embeddings=False):
-        if not plan.quantize:
+    for spec in shard_specs(shape, tp_size, quantize=True, quantize_embeddings=False):
+        if not spec.quantize:
             continue
         pieces = []
         for r in range(tp_size):
-            dim, start, stop = plan.rank_range(r, tp_size) or (0, 0, plan.shape[0])
-            piece = ckpt.read(plan.name, dim, start, stop)
+            dim, start, stop = spec.rank_range(r, tp_size) or (0, 0, spec.shape[0])
+            piece = ckpt.read(spec.name, dim, start, stop)
             pieces.append(dequantize_rows(*quantize_rows(piece)))
-        dim = 1 if plan.split == "row" else 0
-        state[plan.name].copy_(torch.cat(pieces, dim=dim))
+        dim = 1 if spec.split == "row" else 0
+        state[spec.name].copy_(torch.cat(pieces, dim=dim))
     return model
 
 

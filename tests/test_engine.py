@@ -92,29 +92,43 @@ def test_fault_on_a_worker_rank_ends_every_rank_nonzero(ckpts, tmp_path):
     assert time.time() - t0 < 60  # well inside the 30 s collective timeout + start-up
 
 
-def test_cache_allocation_warms_every_int8_row_bucket():
-    """Start-up runs one decode step per row bucket of the int8 kernels that the slots reach
-    (1, 2-16, 17-32, 33-64 rows), over distinct slots at position 0, so a GPU autotunes before the
-    first request instead of during it."""
-    from types import SimpleNamespace
+def test_step_messages_survive_the_channel_encoding():
+    """Every step rank 0 sends is rebuilt exactly by the other ranks (random steps, and the
+    buffer's stale tail from a longer earlier step ignored)."""
+    import random
 
-    import torch
+    from mpinfer.runner import STEP, Prefill, Step, decode_step_message, encode_step
 
-    from mpinfer.engine import allocate_cache
-    from mpinfer.plan import BloomShape
+    rng = random.Random(0)
+    for _ in range(200):
+        slots = rng.sample(range(64), rng.randint(0, 10))
+        prefills = tuple(
+            Prefill(rng.randrange(64), rng.randrange(500),
+                    tuple(rng.randrange(250880) for _ in range(rng.randint(1, 40))),
+                    rng.random() < 0.5, rng.randint(-1, 20), rng.randint(-1, 250879))
+            for _ in range(rng.randint(0, 4))
+        )  # fmt: skip
+        step = Step(STEP, tuple(slots), tuple(rng.randrange(2048) for _ in slots), prefills)
+        data = encode_step(step) + [rng.randrange(1000) for _ in range(rng.randint(0, 50))]
+        assert decode_step_message(data) == step
 
-    calls = []
 
-    def model(ids, cache, *, slots, start_pos, valid_from, kv_len):
-        calls.append((ids.shape, slots.tolist(), start_pos.tolist(), kv_len, cache.slots))
+def test_decode_graph_buckets_and_warm_up_cover_every_batch():
+    """A step with n decode rows replays the smallest captured bucket >= n, so the buckets must
+    reach every n up to the slots; the GPU warm-up runs every bucket and the smallest row count
+    of every int8 kernel bucket (1, 2-16, 17-32, 33-64) the slots reach, nothing beyond them."""
+    from mpinfer.memory import decode_buckets
+    from mpinfer.runner import warm_up_rows
 
-    shape = BloomShape(vocab_size=64, hidden_size=16, n_layer=1, n_head=2)
-    for slots, rows in ((1, [1]), (4, [1, 2]), (20, [1, 2, 17]), (40, [1, 2, 17, 33])):
-        calls.clear()
-        loaded = SimpleNamespace(shape=shape, tp=SimpleNamespace(tp_size=1), model=model,
-                                 dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
-        cache = allocate_cache(loaded, slots, 8)
-        assert cache.slots == slots and cache.max_seq == 8
-        assert [c[0] for c in calls] == [(r, 1) for r in rows]
-        assert [c[1] for c in calls] == [list(range(r)) for r in rows]
-        assert all(set(c[2]) == {0} and c[3] == 1 for c in calls)
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(8) == [1, 2, 4, 8]
+    assert decode_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+    for slots in range(1, 130):
+        buckets = decode_buckets(slots)
+        assert buckets[-1] == slots and buckets == sorted(set(buckets))
+        for n in range(1, slots + 1):
+            bucket = next(b for b in buckets if b >= n)
+            assert bucket < 2 * n or bucket == 1  # never more than twice the rows
+        rows = warm_up_rows(slots)
+        assert set(buckets) <= set(rows) and max(rows) == slots
+        assert {1, 2, 17, 33} & set(range(1, slots + 1)) <= set(rows)

@@ -1,6 +1,7 @@
 """GPU tests (run on the GPU machine: pytest -m gpu). The Triton kernels against the pure-torch
-reference on fresh random inputs, odd shapes included; the CUDA-graph decode step against the
-eager one; the fp16 model on the GPU against the fp32 model on the CPU."""
+reference on fresh random inputs, odd shapes included; the engine's CUDA-graph decode against its
+eager decode, token for token, and the padding rows of a bucket; seeded sampling alone and in a
+batch; the GPU sampler against the CPU one."""
 
 from __future__ import annotations
 
@@ -131,36 +132,107 @@ def test_every_config_family_split_k(dtype):
     assert not failures, failures
 
 
-def test_decode_graph_equals_eager_steps(tmp_path):
-    from mpinfer.layers import TPGroup
-    from mpinfer.model import BloomModel, DecodeGraph, KVCache
-    from mpinfer.plan import BloomShape
-    from mpinfer.quant import Int8Method
+def _engine_tokens(runner, prompts, params_list):
+    """Greedy or seeded generations of `prompts` through the engine on `runner` (one GPU)."""
+    from mpinfer.engine import Engine
 
-    shape = BloomShape(vocab_size=3000, hidden_size=256, n_layer=3, n_head=8)
-    tp = TPGroup(0, 1)
-    from mpinfer.bench import randomize_model
+    engine = Engine(runner, runner.ctx, _ByteTok())
+    results = {}
+    for i, (p, params) in enumerate(zip(prompts, params_list)):
+        engine.submit(p, params, lambda ev, i=i: ev.kind != "token" and results.update({i: ev}))
+    engine.run(until_idle=True)
+    assert all(ev.kind == "done" for ev in results.values()), results
+    return [results[i].result.token_ids for i in range(len(prompts))]
 
-    model = BloomModel(shape, tp, method=Int8Method(), dtype=torch.float16).to_empty(device="cuda")
-    randomize_model(model, seed=0)
-    B, ctx = 4, 20
-    cache = KVCache.allocate(shape, 1, slots=B, max_seq=64, dtype=torch.float16, device="cuda")
-    ids = torch.randint(4, 3000, (B, ctx), device="cuda")
-    zeros = torch.zeros(B, dtype=torch.long, device="cuda")
-    model(ids, cache, slots=slice(0, B), start_pos=zeros, valid_from=zeros, kv_len=ctx)
-    ref_cache = KVCache([k.clone() for k in cache.k], [v.clone() for v in cache.v])
-    graph = DecodeGraph(model, cache, B)  # its warm-up writes position 0: restore the cache
-    for k, v, rk, rv in zip(cache.k, cache.v, ref_cache.k, ref_cache.v):
-        k.copy_(rk)
-        v.copy_(rv)
-    token = torch.randint(4, 3000, (B, 1), device="cuda")
-    for step in range(5):
-        pos = zeros + ctx + step
-        eager = model(token, ref_cache, slots=slice(0, B), start_pos=pos, valid_from=zeros,
-                      kv_len=ctx + step + 1)  # fmt: skip
-        graphed = graph(token, pos, zeros)
-        torch.testing.assert_close(graphed.float(), eager.float(), rtol=2e-3, atol=2e-2)
-        token = eager.argmax(-1, keepdim=True)
+
+class _ByteTok:
+    """A stand-in tokenizer: the engine only decodes ids to text here."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def test_graph_decode_equals_eager_decode_token_for_token():
+    """The engine on the bloom-7b1 shape (int8, fp16), 8 prompts of different lengths and
+    budgets in one batch, so rows leave and the step replays smaller buckets with padding rows:
+    the captured graphs give exactly the eager path's greedy tokens."""
+    from mpinfer.sampling import SamplingParams
+    from mpinfer.tools.randmodel import build_random, make_runner
+
+    model, shape, tp = build_random("bloom-7b1", "int8")
+    g = torch.Generator().manual_seed(0)
+    lens, budgets = [3, 17, 64, 5, 200, 33, 1, 90], [40, 25, 33, 12, 40, 7, 40, 19]
+    prompts = [torch.randint(4, shape.vocab_size, (n,), generator=g).tolist() for n in lens]
+    params = [SamplingParams(max_new_tokens=b) for b in budgets]
+    out = {}
+    for graphs in (True, False):
+        runner = make_runner(model, shape, tp, slots=8, max_seq=256, cuda_graphs=graphs)
+        assert runner.use_graphs == graphs and (not graphs or sorted(runner.graphs) == [1, 2, 4, 8])
+        out[graphs] = _engine_tokens(runner, prompts, params)
+        del runner
+    assert [len(t) for t in out[True]] == budgets
+    assert out[True] == out[False]
+
+
+def test_seeded_sampling_gives_the_same_tokens_alone_and_in_a_batch_of_32():
+    """A seeded request's tokens do not depend on what else runs: alone, and beside 31 other
+    requests (greedy and sampling, other seeds), on the GPU. fp32 weights and activations, so
+    the model's logits for a row do not move with the batch size (the int8 fp16 kernels pick
+    per-batch configurations whose last bits differ; the sampler itself is exact either way:
+    test_sampling.py)."""
+    from mpinfer.sampling import SamplingParams
+    from mpinfer.tools.randmodel import build_random, make_runner
+
+    model, shape, tp = build_random("bloom-560m", "none", dtype=torch.float32)
+    runner = make_runner(model, shape, tp, slots=32, max_seq=128)
+    g = torch.Generator().manual_seed(1)
+    target = SamplingParams(max_new_tokens=24, do_sample=True, temperature=0.8, top_k=40,
+                            top_p=0.9, repetition_penalty=1.1, seed=4321)  # fmt: skip
+    prompt = torch.randint(4, shape.vocab_size, (20,), generator=g).tolist()
+    alone = _engine_tokens(runner, [prompt], [target])[0]
+    others = [torch.randint(4, shape.vocab_size, (int(n),), generator=g).tolist()
+              for n in torch.randint(1, 60, (31,), generator=g)]  # fmt: skip
+    other_params = [SamplingParams(max_new_tokens=30, do_sample=i % 3 != 0, seed=i,
+                                   temperature=0.7 + i / 20) for i in range(31)]  # fmt: skip
+    batch = _engine_tokens(runner, others[:13] + [prompt] + others[13:],
+                           other_params[:13] + [target] + other_params[13:])  # fmt: skip
+    assert batch[13] == alone
+    assert alone != _engine_tokens(runner, [prompt], [SamplingParams(max_new_tokens=24)])[0]
+
+
+def test_sampler_on_the_gpu_is_batch_independent_and_matches_the_cpu():
+    from mpinfer.sampling import Row, Sampler, SamplingParams
+
+    V = 250880
+    g = torch.Generator().manual_seed(2)
+    params = SamplingParams(do_sample=True, temperature=0.9, top_k=50, top_p=0.95, seed=7)
+    gpu = Sampler(slots=32, vocab_size=V, eos_token_id=2, device=torch.device("cuda"))
+    cpu = Sampler(slots=32, vocab_size=V, eos_token_id=2, device=torch.device("cpu"))
+    for index in range(10):
+        logits = torch.randn(32, V, generator=g) * 3
+        rows = [Row(i, params if i == 5 else SamplingParams(seed=i, do_sample=i % 2 == 0), index)
+                for i in range(32)]  # fmt: skip
+        _, batch, _ = gpu.sample(logits.cuda(), rows)
+        _, alone, _ = gpu.sample(logits[5:6].cuda(), [Row(5, params, index)])
+        _, on_cpu, _ = cpu.sample(logits, rows)
+        assert int(batch[5]) == int(alone[0])
+        assert batch.cpu().tolist() == on_cpu.tolist()
+
+
+def test_padding_rows_of_a_bucket_write_nothing():
+    """A step of 3 rows replays the 4-row graph: the padding row (slot -1) writes no cache
+    entry, so every slot but the 3 decoded ones is unchanged, bit for bit."""
+    from mpinfer.runner import Step
+    from mpinfer.tools.randmodel import build_random, fill_context, make_runner
+
+    model, shape, tp = build_random("bloom-560m", "int8")
+    runner = make_runner(model, shape, tp, slots=6, max_seq=64)
+    fill_context(runner, 6, 20)
+    before = [t.clone() for t in runner.cache.k + runner.cache.v]
+    runner.execute(Step(decode_slots=(4, 0, 2), decode_pos=(20, 20, 20)))
+    for old, new in zip(before, runner.cache.k + runner.cache.v):
+        assert torch.equal(old[[1, 3, 5]], new[[1, 3, 5]])
+        assert not torch.equal(old[[0, 2, 4]], new[[0, 2, 4]])
 
 
 @pytest.mark.parametrize("splits", [None, 1, 2])
@@ -170,12 +242,11 @@ def test_fused_decode_attention_matches_eager_model(dtype, splits, monkeypatch):
     here (8: one per 32-key tile of the cache) and forced ones: a row's whole history in one
     program (up to 6 tiles, the last ragged) or in two uneven ones, so a large batch's long
     programs are checked on a small batch."""
-    from mpinfer.bench import randomize_model
     from mpinfer.kernels import attention
     from mpinfer.layers import TPGroup
-    from mpinfer.model import BloomModel, KVCache
-    from mpinfer.plan import BloomShape
+    from mpinfer.model import BloomModel, BloomShape, KVCache
     from mpinfer.quant import Int8Method
+    from mpinfer.tools.randmodel import randomize_model
 
     shape = BloomShape(vocab_size=3000, hidden_size=384, n_layer=2, n_head=6)
     model = BloomModel(shape, TPGroup(0, 1), method=Int8Method(), dtype=dtype)

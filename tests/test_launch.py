@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mpinfer.tiny import make_tiny
+from mpinfer.tools.tiny import make_tiny
 
 from .conftest import ROOT, TINY, torchrun
 
@@ -164,7 +164,7 @@ def test_tp_decode_bench_runs_across_real_ranks(tmp_path):
         2,
         [
             "-m",
-            "mpinfer.tpbench",
+            "mpinfer.tools.tpbench",
             "--shape",
             "tiny",
             "--batches",

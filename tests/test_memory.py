@@ -10,7 +10,7 @@ import pytest
 from mpinfer.cli import main as mpinfer_main
 from mpinfer.config import load_config
 from mpinfer.memory import plan_memory
-from mpinfer.plan import BloomShape
+from mpinfer.model import BloomShape
 
 from .conftest import ROOT, torchrun
 
@@ -50,10 +50,44 @@ def test_plan_command_prints_gib_lines_and_fails_when_too_small(capsys):
     code = mpinfer_main(["plan", "--config", str(ROOT / "configs/bloom-176b-8x24gb.toml"),
                          "--tp", "4"])  # fmt: skip
     out = capsys.readouterr().out
-    assert code == 1 and "does not fit: needs 44.14 GiB per GPU, has 24.00; try tp=8" in out
+    # 42.44 GiB of weights and workspace + one 2048-token slot of 0.957 MiB a token.
+    assert code == 1 and "does not fit: needs 44.36 GiB per GPU, has 24.00; try tp=8" in out
     code = mpinfer_main(["plan", "--config", str(ROOT / "configs/bloom-7b1.toml"),
                          "--gpu-mem", "12GiB", "--quant", "none"])  # fmt: skip
     assert code == 1 and "try tp=2" in capsys.readouterr().out
+
+
+def test_workspace_counts_the_sampler_and_the_decode_graphs():
+    cfg = load_config(str(ROOT / "configs/bloom-7b1.toml"), ["server.max_batch_slots=48"])
+    plan = plan_memory(shape_of("bloom-7b1"), cfg, tp_size=1, budget=80 * 2**30)
+    v, h = 250880, 4096
+    assert plan.items["sampler state"] == 48 * v * 5  # a bool and an int32 per slot and token
+    # Buckets 1, 2, 4, 8, 16, 32, 48: each graph keeps its fp16 logits; one step's activations.
+    assert plan.items["decode graphs"] == (1 + 2 + 4 + 8 + 16 + 32 + 48) * v * 2 + 48 * 16 * h * 4
+    off = load_config(str(ROOT / "configs/bloom-7b1.toml"), ["server.cuda_graphs=false"])
+    assert "decode graphs" not in plan_memory(shape_of("bloom-7b1"), off, tp_size=1,
+                                              budget=80 * 2**30).items  # fmt: skip
+
+
+@pytest.mark.parametrize("config", ["tiny-cpu", "bloom-560m", "bloom-7b1", "bloom-176b-8x24gb"])
+def test_plan_answers_for_every_shipped_config_without_a_gpu_size(config, capsys):
+    """No --gpu-mem: a table over common GPU sizes and the tp sizes that divide the heads (a
+    config that names its budget and tp, as the 176B one does, gets that GPU's details)."""
+    code = mpinfer_main(["plan", "--config", str(ROOT / f"configs/{config}.toml")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    if config == "bloom-176b-8x24gb":
+        assert "tp=8" in out and "slots of max_seq_len=2048          2" in out
+        code = mpinfer_main(["plan", "--config", str(ROOT / f"configs/{config}.toml"),
+                             "--set", 'model.memory_budget=""'])  # fmt: skip
+        out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines()
+            if line.strip().split(" ")[0] in ("16GiB", "24GiB", "140GiB")]  # fmt: skip
+    assert rows and all(r[2] in ("yes", "no") for r in rows), out
+    if config == "bloom-176b-8x24gb":  # tp 8 is this config's: 24 GiB fits, 16 does not
+        assert rows[0][:3] == ["16GiB", "8", "no"] and rows[1][:3] == ["24GiB", "8", "yes"]
+    else:
+        assert {r[1] for r in rows} >= {"1", "2", "4"} and rows[-1][2] == "yes"
 
 
 @pytest.mark.parametrize("budget", ["300KiB"])

@@ -1,21 +1,31 @@
-"""Logits processors against transformers' reference processors on fixed logits, and the
-incremental detokenizer on multi-byte characters and stop strings."""
+"""The batched sampler against transformers' reference processors, row by row, on fresh random
+logits; its draws, seeds and packed outputs; and the incremental detokenizer on multi-byte
+characters and stop strings."""
 
 from __future__ import annotations
+
+import math
+import random
 
 import pytest
 import torch
 
 from mpinfer.detok import TextStream
-from mpinfer.generation import SamplingParams, process_logits
+from mpinfer.sampling import (
+    MAX_TOP_N,
+    Row,
+    Sampler,
+    SamplingParams,
+    draw,
+    process_logits,
+    row_table,
+    uniform,
+)
+
+V = 500
 
 
-@pytest.fixture()
-def logits():
-    return torch.randn(500, generator=torch.Generator().manual_seed(3)) * 3
-
-
-def hf_reference(logits, params, seen):
+def hf_reference(logits, params: SamplingParams, seen):
     from transformers.generation.logits_process import (
         RepetitionPenaltyLogitsProcessor,
         TemperatureLogitsWarper,
@@ -27,6 +37,8 @@ def hf_reference(logits, params, seen):
     x, ids = logits[None].clone(), seen[None]
     if params.repetition_penalty != 1.0:
         x = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(ids, x)
+    if params.greedy:
+        return x[0]
     if params.temperature != 1.0:
         x = TemperatureLogitsWarper(params.temperature)(ids, x)
     if params.top_k:
@@ -38,34 +50,195 @@ def hf_reference(logits, params, seen):
     return x[0]
 
 
+CASES = [
+    {"temperature": 0.5},
+    {"temperature": 1.7},
+    {"top_k": 7},
+    {"top_k": 40},
+    {"top_p": 0.6},
+    {"typical_p": 0.4},
+    {"repetition_penalty": 1.3},
+    {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repetition_penalty": 1.1},
+    {"top_k": 3, "typical_p": 0.7},
+    {},  # sampling with no processor
+]
+
+
+def batch_outputs(rows_params, logits, seen_ids):
+    """process_logits over one batch holding every row, with each row's prompt history."""
+    rows = [Row(i, p, 0) for i, p in enumerate(rows_params)]
+    t, needs = row_table(rows, V)
+    seen = torch.zeros((len(rows), V), dtype=torch.bool)
+    for i, ids in enumerate(seen_ids):
+        seen[i, ids] = True
+    counts = torch.zeros((len(rows), V), dtype=torch.int32)
+    return process_logits(logits, t, needs, seen=seen if needs.history else None,
+                          counts=counts if needs.history else None)  # fmt: skip
+
+
+def test_every_row_of_a_mixed_batch_matches_transformers_alone():
+    """Ten sampling rows with different processors and a greedy row with a repetition penalty,
+    in one batch: each row's processed logits equal transformers' processors on that row
+    alone (same tokens removed, same values kept)."""
+    g = torch.Generator().manual_seed(3)
+    params = [SamplingParams(do_sample=True, seed=1, **kw) for kw in CASES]
+    params.append(SamplingParams(repetition_penalty=10.0))  # greedy: the penalty only
+    logits = torch.randn(len(params), V, generator=g) * 3
+    seen_ids = [torch.randint(0, V, (7,), generator=g) for _ in params]
+    penalized, processed = batch_outputs(params, logits, seen_ids)
+    for i, p in enumerate(params):
+        ref = hf_reference(logits[i], p, seen_ids[i])
+        ours = penalized[i] if p.greedy else processed[i]
+        assert torch.equal(torch.isinf(ours), torch.isinf(ref)), (i, p)
+        kept = ~torch.isinf(ref)
+        torch.testing.assert_close(ours[kept], ref[kept])
+        if {"top_k", "top_p", "typical_p"} & set(CASES[i] if i < len(CASES) else {}):
+            assert 0 < kept.sum() < V  # it did cut the distribution
+
+
+def test_greedy_rows_take_the_penalized_argmax_and_blocked_eos():
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(4))
+    best = int(logits[0].argmax())
+    params = [SamplingParams(repetition_penalty=10.0), SamplingParams(min_tokens=3)]
+    rows = [Row(0, params[0], 0), Row(1, params[1], 0)]
+    t, needs = row_table(rows, V)
+    seen = torch.zeros((2, V), dtype=torch.bool)
+    seen[0, best] = True
+    counts = torch.zeros((2, V), dtype=torch.int32)
+    eos = int(logits[1].argmax())
+    penalized, _ = process_logits(logits, t, needs, seen=seen, counts=counts, eos_token_id=eos)
+    assert int(penalized[0].argmax()) != best and not torch.isinf(penalized[0]).any()
+    assert penalized[1, eos] == float("-inf")  # index 0 < min_tokens: EOS cannot end it yet
+
+
+def test_frequency_and_presence_penalties_are_openais():
+    """logit - frequency_penalty * count - presence_penalty * (count > 0) over generated tokens."""
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(5))
+    p = SamplingParams(do_sample=True, frequency_penalty=0.5, presence_penalty=0.25)
+    t, needs = row_table([Row(0, p, 0)], V)
+    counts = torch.zeros((1, V), dtype=torch.int32)
+    counts[0, 10], counts[0, 20] = 3, 1
+    seen = torch.zeros((1, V), dtype=torch.bool)
+    penalized, _ = process_logits(logits, t, needs, seen=seen, counts=counts)
+    expected = logits.clone()
+    expected[0, 10] -= 0.5 * 3 + 0.25
+    expected[0, 20] -= 0.5 + 0.25
+    torch.testing.assert_close(penalized, expected)
+
+
+def test_draw_inverts_the_cdf_and_never_picks_a_removed_token():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, V, generator=g)
+    x[:, ::2] = float("-inf")  # every even token removed
+    probs = x.softmax(-1)
+    for u in [0.0, 1e-9, 0.25, 0.5, 0.999999, 1 - 2**-53]:
+        tokens = draw(x, torch.full((3,), u, dtype=torch.float64))
+        for row, tok in enumerate(tokens.tolist()):
+            assert tok % 2 == 1  # never a removed token, even at the ends of [0, 1)
+            cdf = probs[row].cumsum(-1)
+            assert cdf[tok] >= u * cdf[-1] - 1e-6 and (tok == 1 or cdf[tok - 2] <= u * cdf[-1])
+    # Drawing many uniforms reproduces the distribution: the total variation distance stays
+    # within twice what sampling noise alone gives (E|f - p| = sqrt(2 p (1 - p) / (pi N))); a
+    # biased generator or an off-by-one draw is far beyond (a shift by one token gives ~1).
+    n = 20000
+    us = torch.tensor([uniform(7, i) for i in range(n)], dtype=torch.float64)
+    row = x[:1].expand(n, -1)
+    freq = torch.bincount(draw(row, us), minlength=V).float() / n
+    p = probs[0]
+    noise = 0.5 * (2 * p * (1 - p) / (math.pi * n)).sqrt().sum()
+    assert (freq - p).abs().sum() / 2 < 2 * noise
+
+
+def test_uniform_is_a_function_of_seed_and_index_only():
+    a = [uniform(1234, i) for i in range(1000)]
+    assert a == [uniform(1234, i) for i in range(1000)]
+    assert a != [uniform(1235, i) for i in range(1000)]
+    assert all(0 <= u < 1 for u in a)
+    assert abs(sum(a) / len(a) - 0.5) < 0.03
+    assert uniform(2**64 - 1, 3) != uniform(0, 3)  # the whole seed range counts
+
+
+def test_seeded_row_draws_the_same_token_alone_and_in_any_batch():
+    """The sampler's token for a seeded row depends on that row's logits, parameters, seed and
+    index only: the same alone and inside a batch of 31 others (mixed greedy and sampling)."""
+    g = torch.Generator().manual_seed(8)
+    sampler = Sampler(slots=32, vocab_size=V, eos_token_id=2, device=torch.device("cpu"))
+    target = SamplingParams(do_sample=True, temperature=0.9, top_k=50, top_p=0.95, seed=99)
+    rng = random.Random(1)
+    for index in range(40):
+        row_logits = torch.randn(1, V, generator=g) * 2
+        _, alone, _ = sampler.sample(row_logits, [Row(0, target, index)])
+        others = [SamplingParams(do_sample=rng.random() < 0.7, temperature=rng.uniform(0.5, 2),
+                                 top_p=rng.uniform(0.5, 1), seed=rng.randrange(2**64))
+                  for _ in range(31)]  # fmt: skip
+        where = rng.randrange(32)
+        batch = torch.randn(32, V, generator=g)
+        batch[where] = row_logits[0]
+        rows = [Row(i + 1, p, index) for i, p in enumerate(others)]
+        rows.insert(where, Row(0, target, index))
+        _, tokens, _ = sampler.sample(batch, rows)
+        assert int(tokens[where]) == int(alone[0])
+
+
+def test_packed_outputs_hold_logprobs_of_the_raw_distribution_and_top_n():
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(3, V, generator=g)
+    sampler = Sampler(slots=3, vocab_size=V, eos_token_id=2, device=torch.device("cpu"))
+    params = [SamplingParams(top_n=5), SamplingParams(do_sample=True, seed=3, temperature=0.3),
+              SamplingParams(top_n=MAX_TOP_N, do_sample=True, seed=4, top_k=5)]  # fmt: skip
+    _, tokens, out = sampler.sample(logits, [Row(i, p, 0) for i, p in enumerate(params)])
+    logp = logits.log_softmax(-1)
+    for i, p in enumerate(params):
+        assert int(out[i, 0]) == int(tokens[i]) and out[i, 2] == 1.0
+        torch.testing.assert_close(out[i, 1], logp[i, int(tokens[i])])
+        k = p.top_n
+        top = logp[i].topk(k) if k else None
+        if k:
+            assert out[i, 3 : 3 + k].long().tolist() == top.indices.tolist()
+            torch.testing.assert_close(out[i, 3 + MAX_TOP_N : 3 + MAX_TOP_N + k], top.values)
+    assert int(tokens[0]) == int(logits[0].argmax())
+
+
+def test_a_non_finite_row_is_flagged_and_the_others_are_not():
+    logits = torch.randn(3, V)
+    logits[1, 7] = float("nan")
+    sampler = Sampler(slots=3, vocab_size=V, eos_token_id=2, device=torch.device("cpu"))
+    _, _, out = sampler.sample(logits, [Row(i, SamplingParams(do_sample=True, seed=i), 0)
+                                        for i in range(3)])  # fmt: skip
+    assert out[:, 2].tolist() == [1.0, 0.0, 1.0]
+
+
 @pytest.mark.parametrize(
-    "kw",
-    [
-        {"temperature": 0.5},
-        {"temperature": 1.7},
-        {"top_k": 7},
-        {"top_p": 0.6},
-        {"typical_p": 0.4},
-        {"repetition_penalty": 1.3},
-        {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repetition_penalty": 1.1},
-    ],
-)
-def test_each_processor_matches_transformers(logits, kw):
-    params = SamplingParams(do_sample=True, **kw)
-    seen = torch.tensor([3, 17, 17, 250, 499])
-    ours = process_logits(logits, params, seen)
-    ref = hf_reference(logits, params, seen)
-    assert torch.equal(torch.isinf(ours), torch.isinf(ref))
-    kept = ~torch.isinf(ref)
-    torch.testing.assert_close(ours[kept], ref[kept])
-    if kw.keys() & {"top_k", "top_p", "typical_p"}:
-        assert 0 < kept.sum() < len(logits)  # it did cut the distribution
+    "kw, field",
+    [({"temperature": -1.0}, "temperature"), ({"temperature": math.inf}, "temperature"),
+     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"typical_p": 2.0}, "typical_p"),
+     ({"repetition_penalty": 5e-324}, "repetition_penalty"),
+     ({"repetition_penalty": 1e9}, "repetition_penalty"), ({"top_k": -1}, "top_k"),
+     ({"seed": 2**64}, "seed"), ({"seed": -1}, "seed"), ({"frequency_penalty": 3.0},
+     "frequency_penalty"), ({"stop": ("",)}, "stop"), ({"top_n": 21}, "top_n")],
+)  # fmt: skip
+def test_parameters_outside_what_the_sampler_computes_are_refused(kw, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw).check()
 
 
-def test_greedy_applies_only_the_repetition_penalty(logits):
-    seen = torch.tensor([int(logits.argmax())])
-    out = process_logits(logits, SamplingParams(repetition_penalty=10.0, top_k=1), seen)
-    assert int(out.argmax()) != int(logits.argmax()) and not torch.isinf(out).any()
+def test_extreme_but_valid_parameters_sample_finite_tokens():
+    """The smallest temperature is greedy, the smallest top_p keeps one token, the range ends
+    of the penalties stay finite: no NaN, no empty distribution."""
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(10)) * 30
+    sampler = Sampler(slots=5, vocab_size=V, eos_token_id=2, device=torch.device("cpu"))
+    params = [SamplingParams(do_sample=True, temperature=1e-300, seed=1),
+              SamplingParams(do_sample=True, top_p=1e-300, seed=1),
+              SamplingParams(do_sample=True, repetition_penalty=0.01, seed=1),
+              SamplingParams(do_sample=True, repetition_penalty=100.0, temperature=1e-5, seed=1),
+              SamplingParams(do_sample=True, typical_p=1e-300, top_k=1, seed=1)]  # fmt: skip
+    for p in params:
+        p.check()
+    sampler.admit(2, [int(logits[2].argmax())], params[2])
+    _, tokens, out = sampler.sample(logits, [Row(i, p, 0) for i, p in enumerate(params)])
+    assert out[:, 2].tolist() == [1.0] * 5
+    assert int(tokens[0]) == int(logits[0].argmax())  # below MIN_TEMPERATURE: greedy
+    assert int(tokens[1]) == int(logits[1].argmax())  # top_p tiny: only the first token is left
 
 
 class ByteTok:
@@ -80,10 +253,20 @@ def test_multibyte_characters_split_across_tokens_are_never_broken():
     ids = list(text.encode())
     stream = TextStream(ByteTok())
     deltas = [stream.add(i) for i in ids]
-    assert "".join(deltas) + stream.flush() == text
+    assert "".join(deltas) + stream.finish() == text
     assert not any("\ufffd" in d for d in deltas)
     # One empty delta per byte that left a character incomplete: ï 1, 東 2, 京 2, 😀 3.
     assert deltas.count("") == 1 + 2 + 2 + 3
+
+
+def test_a_character_cut_by_the_end_is_the_decoders_replacement_character():
+    """As TGI gives it: the final text is the decode of every id, so a cut character shows as
+    U+FFFD at the end (the stream held it back until then)."""
+    ids = list("ok 東".encode())[:-1]
+    stream = TextStream(ByteTok())
+    streamed = "".join(stream.add(i) for i in ids)
+    streamed += stream.finish()
+    assert streamed == stream.text == bytes(ids).decode("utf-8", errors="replace") == "ok \ufffd"
 
 
 def test_stop_string_text_is_held_back_then_dropped():
@@ -91,7 +274,7 @@ def test_stop_string_text_is_held_back_then_dropped():
     out = "".join(stream.add(i) for i in b"abc EN")
     assert out == "abc "  # "EN" could start "END": held
     out += stream.add(ord("D"))
-    assert stream.stopped and out == "abc "
+    assert stream.stopped and out == "abc " and stream.finish() == "" and stream.text == "abc "
 
 
 def test_held_text_is_released_when_it_cannot_be_a_stop():

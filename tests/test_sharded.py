@@ -13,7 +13,7 @@ import pytest
 from safetensors import safe_open
 
 from mpinfer.sharded import MANIFEST, rank_file, shard_checkpoint
-from mpinfer.tiny import make_tiny
+from mpinfer.tools.tiny import make_tiny
 
 from .conftest import ROOT, torchrun
 

@@ -129,7 +129,7 @@ def test_a_broken_table_is_an_error_naming_the_file(tmp_path, monkeypatch, text,
 def test_the_benchmarked_matmuls_are_the_loaders_shards_and_the_h200_table_covers_them():
     """`bench kernels` derives each rank's matmul shapes from the load plan; the shipped H200
     table has every one of the default models' launches at every row bucket, in both dtypes."""
-    from mpinfer.kernelbench import DEFAULT_MODELS, models_shapes
+    from mpinfer.tools.kernelbench import DEFAULT_MODELS, models_shapes
 
     shapes = models_shapes(DEFAULT_MODELS)
     assert shapes["7b1 qkv"] == (3 * 4096, 4096, "")
@@ -144,7 +144,7 @@ def test_the_benchmarked_matmuls_are_the_loaders_shards_and_the_h200_table_cover
 
 
 def test_matmul_shapes_from_a_config_json_and_bad_models(tmp_path):
-    from mpinfer.kernelbench import models_shapes
+    from mpinfer.tools.kernelbench import models_shapes
 
     cfg = {"model_type": "bloom", "vocab_size": 1001, "hidden_size": 64, "n_layer": 2,
            "n_head": 4}  # fmt: skip

@@ -1,4 +1,5 @@
-"""GPU kernels (Triton), imported only on CUDA. Each has a pure-torch reference in quant.py.
+"""GPU kernels (Triton): this file is Triton-free and imports them only when a launch needs one,
+so it imports on a CPU machine. Each kernel has a pure-torch reference in quant.py or model.py.
 
 `int8_linear(x, q, scale, bias)` is the W8A16 matmul `(x @ q^T) * scale + bias`:
 - few rows (decode, M <= DECODE_MAX_ROWS): one Triton kernel that streams the int8 weight once
@@ -12,31 +13,22 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from ..quant import epilogue
 from .tuning import ROW_BUCKETS
 
 DECODE_MAX_ROWS = ROW_BUCKETS[-1]
 
 
-@functools.cache
-def sm_count(device_index: int) -> int:
-    """Streaming multiprocessors of a CUDA device (kernels size their grids by it)."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def attention_splits(batch: int, heads: int, max_seq: int, sms: int) -> int:
-    """Programs per row and head of the decode attention (attention.py), which cuts each row's
-    history into this many equal runs of 32-key tiles at run time: enough that batch x heads x
-    splits gives every SM about 8 programs (batch 1 with 14 or 32 heads still fills the GPU),
-    but no more than the cache has tiles, nor than 32, past which a short history leaves most
-    programs empty and the merge grows (bench/results/attention-h200.md). It depends only on
-    the batch and the cache length, so a captured graph stays valid."""
-    return max(1, min(-(-8 * sms // (batch * heads)), -(-max_seq // 32), 32))
+def epilogue(y: torch.Tensor, *, gelu: bool, residual: torch.Tensor | None) -> torch.Tensor:
+    """BLOOM's elementwise neighbours of a linear layer, as separate torch ops: its GeLU (the
+    tanh approximation; 0.79788456 is sqrt(2/pi) to 8 digits, and torch computes it in one
+    pass) and the residual add. What the GPU decode kernel does in its own epilogue; the
+    reference path (quant.py) uses it too."""
+    if gelu:
+        y = F.gelu(y, approximate="tanh")
+    return y + residual if residual is not None else y
 
 
 def int8_linear(

@@ -4,7 +4,8 @@ attend over the slot's history, for one query token per row.
     qkv (B, heads_per_rank * 3 * head_dim)   the fused QKV output, laid out [heads, 3, head_dim]
     k_cache, v_cache (slots, heads_per_rank, max_seq, head_dim)
     slot_ids, positions, valid_from (B,)     row b writes at positions[b] of slot slot_ids[b]
-                                             and attends to [valid_from[b], positions[b]]
+                                             and attends to [valid_from[b], positions[b]];
+                                             a row of slot -1 (padding) does neither: zeros out
     slopes (heads_per_rank,) fp32            this rank's ALiBi slopes
     out (B, heads_per_rank * head_dim)       ready for the dense (row-parallel) layer
 
@@ -24,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import attention_splits, sm_count
+from .tuning import attention_splits, sm_count
 
 # Keys per tile, warps and pipeline stages per program (the sweep's winner; stages made no
 # difference there).
@@ -45,6 +46,8 @@ def _decode_attention_kernel(
     h = tl.program_id(1)
     s = tl.program_id(2)
     slot = tl.load(slot_ptr + b)
+    live = slot >= 0  # slot -1: a padding row of a captured bucket, it reads and writes nothing
+    slot = tl.maximum(slot, 0)
     pos = tl.load(pos_ptr + b)
     vf = tl.load(vf_ptr + b)
     slope = tl.load(slope_ptr + h)
@@ -58,14 +61,15 @@ def _decode_attention_kernel(
     if s == 0:
         k_new = tl.load(base + HEAD_DIM + d)
         v_new = tl.load(base + 2 * HEAD_DIM + d)
-        tl.store(k_ptr + cache_off + pos * stride_cl + d, k_new)
-        tl.store(v_ptr + cache_off + pos * stride_cl + d, v_new)
-        m = tl.sum(q * k_new.to(tl.float32)) * scale + slope * (pos - vf).to(tl.float32)
-        denom = 1.0
-        acc = v_new.to(tl.float32)
+        tl.store(k_ptr + cache_off + pos * stride_cl + d, k_new, mask=live & (d < HEAD_DIM))
+        tl.store(v_ptr + cache_off + pos * stride_cl + d, v_new, mask=live & (d < HEAD_DIM))
+        m_new_token = tl.sum(q * k_new.to(tl.float32)) * scale + slope * (pos - vf).to(tl.float32)
+        m = tl.where(live, m_new_token, -float("inf"))
+        denom = tl.where(live, 1.0, 0.0)
+        acc = tl.where(live, v_new.to(tl.float32), 0.0)
     per_split = tl.cdiv(tl.cdiv(pos - vf, n_splits), BLOCK_L) * BLOCK_L
     lo = vf + s * per_split
-    hi = tl.minimum(lo + per_split, pos)
+    hi = tl.where(live, tl.minimum(lo + per_split, pos), lo)
     offs = tl.arange(0, BLOCK_L)
     for start in tl.range(lo, hi, BLOCK_L):
         j = start + offs  # (BLOCK_L,) key positions
@@ -102,7 +106,9 @@ def _combine_kernel(ws_ptr, out_ptr, stride_out, n_heads, n_splits,
     acc = tl.load(ws + sp[:, None] * (HEAD_DIM + 2) + d[None, :], mask=ok[:, None], other=0.0)
     m_all = tl.max(m, axis=0)
     w = tl.where(den > 0, tl.exp(m - m_all), 0.0)  # empty splits (m = -inf) weigh nothing
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(den * w, axis=0)
+    total = tl.sum(den * w, axis=0)
+    # A padding row has no split with weight: its output is zeros, not 0/0.
+    out = tl.where(total > 0, tl.sum(acc * w[:, None], axis=0) / total, 0.0)
     tl.store(out_ptr + b * stride_out + h * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -121,7 +127,7 @@ def decode_attention(
     num_stages: int = STAGES,
 ) -> torch.Tensor:
     """n_splits (programs per row and head) by default from the policy in
-    kernels.attention_splits; the keyword arguments are for benchmarks and tests."""
+    tuning.attention_splits; the keyword arguments are for benchmarks and tests."""
     B = qkv.shape[0]
     heads, max_seq, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()

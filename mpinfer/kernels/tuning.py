@@ -24,6 +24,8 @@ import os
 import re
 from pathlib import Path
 
+import torch
+
 TABLE_DIR = Path(__file__).parent / "tuned"
 # The W8A16 kernel's tuning buckets: one row, then row tiles of up to 16, 32 and 64 rows. Each
 # bucket is tuned on its own; the engine warms each one up at start-up.
@@ -163,3 +165,19 @@ def lookup(gpu_name: str, dtype: str, rows: int, N: int, K: int) -> str | None:
     if found is None or illegal(found, rows, N, K, dtype):
         return None
     return found
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (kernels size their grids by it)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def attention_splits(batch: int, heads: int, max_seq: int, sms: int) -> int:
+    """Programs per row and head of the decode attention (attention.py), which cuts each row's
+    history into this many equal runs of 32-key tiles at run time: enough that batch x heads x
+    splits gives every SM about 8 programs (batch 1 with 14 or 32 heads still fills the GPU),
+    but no more than the cache has tiles, nor than 32, past which a short history leaves most
+    programs empty and the merge grows (bench/results/attention-h200.md). It depends only on
+    the batch and the cache length, so a captured graph stays valid."""
+    return max(1, min(-(-8 * sms // (batch * heads)), -(-max_seq // 32), 32))

@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import sm_count, tuning
-from .tuning import COUNTERS, WORKSPACE_BYTES
+from . import tuning
+from .tuning import COUNTERS, WORKSPACE_BYTES, sm_count
 
 # MPINFER_INT8_MAGIC=0 keeps the autotuner to the conversion through fp32 (a diagnostic switch).
 MAGIC_ENABLED = os.environ.get("MPINFER_INT8_MAGIC", "1") != "0"

@@ -11,11 +11,24 @@ candidate config go to the JSON (what the config list in kernels/w8a16.py is cho
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
+import multiprocessing as mp
+import os
+import statistics
+import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from ..kernels import tuning
+from ..kernels.tuning import attention_splits, sm_count
+from ..model import BloomShape
+from ..sharding import shard_specs
+from .randmodel import SHAPES as ARCHS
+from .report import machine, md_table, measure_ceilings, save_result
 
 # The W8A16 matmuls of a BLOOM layer: checkpoint name -> (short name, epilogue fused into it)
 MATRICES = {
@@ -32,13 +45,8 @@ def model_shapes(model: str, tp: int = 1) -> dict[str, tuple[int, int, str]]:
     name -> (N = out features, K = in features, fused epilogue), e.g. '176b/8 qkv' -> (5376,
     14336, ''); the int8 LM head last. `model`: a shape of `mpinfer bench gpu` (bloom-560m,
     bloom-7b1, bloom-176b) or a config.json (or the folder that holds one)."""
-    import dataclasses
-
-    from .bench import SHAPES as ARCHS
-    from .plan import BloomShape, plan_model
-
     if model in ARCHS:
-        shape, label = BloomShape(**ARCHS[model]), model.removeprefix("bloom-")
+        shape, label = ARCHS[model], model.removeprefix("bloom-")
     else:
         path = Path(model)
         path = path / "config.json" if path.is_dir() else path
@@ -49,12 +57,12 @@ def model_shapes(model: str, tp: int = 1) -> dict[str, tuple[int, int, str]]:
     shape.check_tp(tp)
     prefix = label if tp == 1 else f"{label}/{tp}"
     out = {}
-    for plan in plan_model(dataclasses.replace(shape, n_layer=1), tp, quantize=True,
-                           quantize_embeddings=True):  # fmt: skip
-        matrix = plan.name.removeprefix("h.0.").removesuffix(".weight")
+    for spec in shard_specs(dataclasses.replace(shape, n_layer=1), tp, quantize=True,
+                            quantize_embeddings=True):  # fmt: skip
+        matrix = spec.name.removeprefix("h.0.").removesuffix(".weight")
         if matrix in MATRICES:
             short, epilogue = MATRICES[matrix]
-            out[f"{prefix} {short}"] = (*plan.rank_shape(tp), epilogue)
+            out[f"{prefix} {short}"] = (*spec.rank_shape(tp), epilogue)
     out[f"{prefix} lm_head"] = (shape.vocab_per_rank(tp), shape.hidden_size, "")
     return out
 
@@ -92,9 +100,7 @@ def graph_time_us(make_call, copies: int, calls: int = 24, reps: int = 10) -> fl
 
 
 def config_text(cfg) -> str:
-    from .kernels.tuning import name
-
-    return name(cfg.kwargs, cfg.num_warps, cfg.num_stages)
+    return tuning.name(cfg.kwargs, cfg.num_warps, cfg.num_stages)
 
 
 def _copies(read_bytes: int, l2_bytes: int) -> int:
@@ -116,7 +122,7 @@ def _operands(name, N, K, epilogue, M, dtype, copies):
 
 
 def bench_shape(name, N, K, epilogue, M, dtype, l2_bytes) -> dict:
-    from .kernels import tuning, w8a16
+    from ..kernels import w8a16  # Triton: GPU only
 
     g, qs, scale, x, bias, res = _operands(name, N, K, epilogue, M, dtype, _copies(N * K, l2_bytes))
     gelu = epilogue == "gelu"
@@ -166,7 +172,7 @@ def _compile(task) -> str | None:
     binary lands in Triton's on-disk cache, where the tuning process finds it). None, or why
     the variant cannot run."""
     name, N, K, epilogue, M, dtype, config = task
-    from .kernels import w8a16
+    from ..kernels import w8a16  # Triton: GPU only
 
     _, (q,), scale, x, bias, res = _operands(name, N, K, epilogue, M, getattr(torch, dtype), 1)
     try:
@@ -185,12 +191,6 @@ def tune(shapes: dict, keys: list, l2_bytes: int, table_path: str, vs_autotune: 
     shapes: name -> (N, K, epilogue) as model_shapes gives; keys: (shape name, M, dtype)
     triples. The table is rewritten after every key, so a run that runs out of time keeps what
     it finished."""
-    import multiprocessing as mp
-    import os
-    import time
-
-    from .kernels import tuning
-
     gpu = torch.cuda.get_device_name()
     t0 = time.time()
     plan = []
@@ -238,7 +238,6 @@ def tune(shapes: dict, keys: list, l2_bytes: int, table_path: str, vs_autotune: 
 def _variant(shape, K, epi, M, dt, config) -> tuple:
     """What a compiled kernel depends on: everything but the split (a runtime argument); N and
     K only through K % BLOCK_K (all the shapes' N and K are multiples of 16)."""
-    from .kernels import tuning
 
     kw, w, st = tuning.parse(config)
     family = (kw["USE_DOT"], kw["SWAP"], kw["BLOCK_N"], kw["BLOCK_K"], kw["PREFETCH"],
@@ -247,9 +246,7 @@ def _variant(shape, K, epi, M, dt, config) -> tuple:
 
 
 def _tune_launch(shape, N, K, epi, M, dtype, dt, cands, l2_bytes, vs_autotune) -> dict:
-    import statistics
-
-    from .kernels import tuning, w8a16
+    from ..kernels import w8a16  # Triton: GPU only
 
     _, qs, scale, x, bias, res = _operands(shape, N, K, epi, M, dtype, _copies(N * K, l2_bytes))
     gelu = epi == "gelu"
@@ -291,8 +288,6 @@ def _tune_launch(shape, N, K, epi, M, dtype, dt, cands, l2_bytes, vs_autotune) -
 
 
 def tune_markdown(result: dict) -> str:
-    from .bench import md_table
-
     def by_magic(r, m):
         t = r.get("best_us_by_magic", {}).get(str(m))
         return f"{t:.1f}" if t else "-"
@@ -337,9 +332,7 @@ def attention_sweep(context: int, max_seqs: list[int], l2_bytes: int, dtype=torc
 
 
 def _attention_case(name, B, heads, context, max_seq, l2_bytes, dtype) -> dict:
-    import itertools
-
-    from .kernels import attention, attention_splits, sm_count
+    from ..kernels import attention  # Triton: GPU only
 
     sms = sm_count(0)
     head_dim = 128
@@ -383,8 +376,6 @@ def _attention_case(name, B, heads, context, max_seq, l2_bytes, dtype) -> dict:
 
 
 def attention_markdown(result: dict, bandwidth: float) -> str:
-    from .bench import md_table
-
     header = ["case", "batch", "cache", "MB read", "default us", "% of copy", "best us",
               "% of copy", "best: tile, warps, stages, splits"]  # fmt: skip
     rows = []
@@ -401,8 +392,6 @@ def attention_markdown(result: dict, bandwidth: float) -> str:
 
 
 def markdown(result: dict) -> str:
-    from .bench import md_table
-
     bw = result["copy_bandwidth_GBps"]
     header = ["shape", "N x K", "rows", "dtype", "int8 us", "int8 GB/s", "% of copy", "fp16 us",
               "fp16 GB/s", "int8 speed-up", "config"]  # fmt: skip
@@ -419,7 +408,6 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="mpinfer bench kernels", description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["kernels"])
     p.add_argument("--models", default=DEFAULT_MODELS,
                    help="comma list of MODEL[:TP] whose per-rank matmuls to run: bloom-560m, "
                    "bloom-7b1, bloom-176b or a config.json (or its folder); TP 1 if not "
@@ -449,8 +437,6 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("error: `mpinfer bench kernels` needs a CUDA GPU")
         return 2
-    from .bench import machine, measure_ceilings, save_result
-
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 64 << 20)
     rows = []

@@ -3,12 +3,12 @@ for two consecutive weight matrices) as two launches, against one launch whose p
 a grid-wide barrier between them (an atomic counter; every program resident: a few per SM),
 with and without each program requesting its first lines of the second read before it waits,
 and against one launch reading 2 B with no barrier (the ideal). CUDA graphs, reads from HBM.
-python3 diag/grid_sync.py"""
+python3 -m mpinfer.tools.diag.grid_sync"""
 
 import torch
 import triton
 import triton.language as tl
-from common import graph_us, read_chunks
+from .common import graph_us, read_chunks
 
 
 @triton.jit

@@ -5,13 +5,15 @@ POST /v1/completions (with `stream`), GET /v1/models, /info, /health, /metrics (
 Uvicorn runs on a thread of rank 0 and starts before the model loads (so /health answers 503
 while loading); the engine runs on rank 0's main thread. Requests are parsed and checked
 (api.py) before they are queued; events come back from the engine thread through
-`call_soon_threadsafe`. A client that goes away cancels its request. What is not here: request
-parsing rules (api.py), scheduling (engine.py), process start-up and signals (serving.py).
+`call_soon_threadsafe`, once per engine step for all of its events (one wake-up of the event
+loop, not one per token). A client that goes away cancels its request. What is not here:
+request parsing rules (api.py), scheduling (engine.py), process start-up and signals (serve.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import threading
 import time
@@ -23,7 +25,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from . import __version__
 from .api import ApiError, Parsed, openai_error, parse_openai, parse_tgi, tgi_error
-from .engine import Engine, EngineFailed, Event, QueueFull
+from .engine import Engine
+from .request import EngineFailed, Event, QueueFull
 
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -47,6 +50,35 @@ class Histogram:
         return lines + [f"{name}_sum {self.sum}", f"{name}_count {self.n}"]
 
 
+class Dispatcher:
+    """Engine events onto the event loop: the engine thread appends (queue, event) pairs, and
+    the first append after a flush schedules one flush on the loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: collections.deque = collections.deque()
+        self.lock = threading.Lock()
+        self.scheduled = False
+
+    def sink(self, queue: asyncio.Queue):
+        def put(ev: Event) -> None:
+            with self.lock:
+                self.items.append((queue, ev))
+                if self.scheduled:
+                    return
+                self.scheduled = True
+            self.loop.call_soon_threadsafe(self.flush)
+
+        return put
+
+    def flush(self) -> None:
+        with self.lock:
+            items, self.items = self.items, collections.deque()
+            self.scheduled = False
+        for queue, ev in items:
+            queue.put_nowait(ev)
+
+
 class State:
     """What the routes share: the engine once loaded, its status, and the metrics."""
 
@@ -60,6 +92,20 @@ class State:
         self.ttft, self.latency = Histogram(), Histogram()
         self.cancelled = 0
         self.lock = threading.Lock()
+        self.dispatcher: Dispatcher | None = None
+
+    def attach(self, engine: Engine) -> None:
+        """The engine is built: the routes may use it."""
+        self.engine, self.tokenizer = engine, engine.tok
+        loaded = engine.loaded
+        s, g = self.cfg.server, self.cfg.generation
+        self.info = {
+            "tp_size": loaded.tp.tp_size, "quant": self.cfg.quant.method,
+            "dtype": str(loaded.dtype).removeprefix("torch."),
+            "max_batch_slots": engine.runner.slots, "cuda_graphs": engine.runner.use_graphs,
+            "max_seq_len": s.max_seq_len, "max_queue": s.max_queue,
+            "max_new_tokens_default": g.max_new_tokens,
+        }  # fmt: skip
 
     def count(self, route: str, status: int) -> None:
         with self.lock:
@@ -109,11 +155,10 @@ def build_app(state: State) -> FastAPI:
         if parsed.truncate:
             ids = ids[-parsed.truncate :]
         queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        if state.dispatcher is None:
+            state.dispatcher = Dispatcher(asyncio.get_running_loop())
         try:
-            req = state.engine.submit(
-                ids, parsed.params, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev)
-            )
+            req = state.engine.submit(ids, parsed.params, state.dispatcher.sink(queue))
         except QueueFull as e:
             raise ApiError(429, str(e), kind="overloaded") from None
         except EngineFailed as e:
@@ -134,6 +179,7 @@ def build_app(state: State) -> FastAPI:
                         return
                     continue
                 if ev.kind == "error":
+                    done = True  # the engine has finished with it
                     raise ApiError(500, f"generation failed: {ev.error}", kind="generation")
                 yield ev
                 if ev.kind == "done":
@@ -189,7 +235,7 @@ def build_app(state: State) -> FastAPI:
             out["details"] = {
                 "finish_reason": FINISH_TGI.get(result.finish_reason, result.finish_reason),
                 "generated_tokens": len(result.token_ids),
-                "seed": parsed.params.seed if parsed.params.do_sample else None,
+                "seed": result.seed if not parsed.params.greedy else None,
                 "prefill": [
                     {"id": i, "text": state.tokenizer.decode([i]), "logprob": None} for i in ids
                 ]
@@ -215,7 +261,7 @@ def build_app(state: State) -> FastAPI:
                 details = {
                     "finish_reason": FINISH_TGI.get(r.finish_reason, r.finish_reason),
                     "generated_tokens": len(r.token_ids),
-                    "seed": parsed.params.seed if parsed.params.do_sample else None,
+                    "seed": r.seed if not parsed.params.greedy else None,
                 }
                 yield sse({"token": token_json(last), "generated_text": text, "details": details})
         except ApiError as e:

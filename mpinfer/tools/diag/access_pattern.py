@@ -5,12 +5,12 @@ bloom-7b1 and the 176B tp-8 rank, in CUDA graphs cycling through weight copies p
   run of K, and step through it BLOCK_K bytes of each row at a time: rows K bytes apart), no
   arithmetic; the best of a few tilings and splits;
 - the W8A16 matmul itself with its tuned config (bias, no other epilogue).
-python3 diag/access_pattern.py"""
+python3 -m mpinfer.tools.diag.access_pattern"""
 
 import torch
 import triton
 import triton.language as tl
-from common import graph_us, read_chunks
+from .common import graph_us, read_chunks
 
 from mpinfer.kernels.w8a16 import w8a16_matmul
 

@@ -6,20 +6,29 @@ trained with `tokenizers` on a generated corpus), loadable by `AutoTokenizer.fro
 Keys carry the `transformer.` prefix, as `save_pretrained` writes them (or not, with
 `prefix=False`, as the original bigscience repos have them). Weights are scaled so that logits
 are far from uniform: greedy decoding then depends on every weight, and tests mean something.
-Shards are generated and written one at a time, so a multi-GB checkpoint needs little RAM.
+Shards are generated and written one at a time, so a multi-GB checkpoint needs little RAM
+(`device="cuda"` draws them on a GPU: a bloom-7b1-sized checkpoint in seconds). When the trained
+tokenizer has fewer tokens than the model's vocabulary, filler tokens (" w123") complete it, so
+every id a random model generates decodes to text, as with a real checkpoint.
+
+    mpinfer make-tiny out/tiny [--layers 2 --hidden 64 --heads 4 --vocab 1024]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
+import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from .plan import BloomShape, plan_model
+from ..model import BloomShape
+from ..sharding import shard_specs
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3, as BLOOM has them
 WORDS = (
@@ -46,10 +55,9 @@ def _corpus(seed: int, n_lines: int = 4000) -> list[str]:
     return lines
 
 
-def train_tokenizer(out: Path, vocab_size: int, seed: int) -> int:
-    """Byte-level BPE with BLOOM's special tokens; returns the tokenizer's vocabulary size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
+def train_tokenizer(out: Path, vocab_size: int, seed: int, *, fill_to: int = 0) -> int:
+    """Byte-level BPE with BLOOM's special tokens, then filler tokens up to `fill_to`; returns
+    the tokenizer's vocabulary size."""
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -60,6 +68,9 @@ def train_tokenizer(out: Path, vocab_size: int, seed: int) -> int:
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    have = tok.get_vocab_size()
+    if fill_to > have:
+        tok.add_tokens([AddedToken(f" w{i}", normalized=False) for i in range(have, fill_to)])
     tok.save(str(out / "tokenizer.json"))
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -104,21 +115,22 @@ def bloom_config(shape: BloomShape, dtype: str) -> dict:
 
 
 def _random_tensor(name: str, shp: tuple[int, ...], hidden: int, gen: torch.Generator):
+    device = gen.device
     if name == "ln_f.weight":
         # With tied embeddings, ln_f(h) . E[v] is largest for v = the current token (its own
         # embedding survives in the residual stream), and a random model just repeats its input.
         # Random-sign ln_f weights cancel that self-similarity: greedy text varies (measured:
         # 11% immediate repeats instead of 99%).
-        return torch.randn(shp, generator=gen)
+        return torch.randn(shp, generator=gen, device=device)
     if name.endswith("layernorm.weight"):
-        return 1.0 + 0.2 * torch.randn(shp, generator=gen)
+        return 1.0 + 0.2 * torch.randn(shp, generator=gen, device=device)
     if name.endswith(".bias"):
-        return 0.1 * torch.randn(shp, generator=gen)
+        return 0.1 * torch.randn(shp, generator=gen, device=device)
     if name == "word_embeddings.weight":
         # logits = ln_f(h) @ E^T: with unit-variance h, a row std of 4/sqrt(hidden) gives logits
         # of std ~4: far from uniform (entropy ~3.6 nats over 1001 tokens, uniform is 6.9).
-        return (4.0 / hidden**0.5) * torch.randn(shp, generator=gen)
-    return (1.0 / shp[1] ** 0.5) * torch.randn(shp, generator=gen)
+        return (4.0 / hidden**0.5) * torch.randn(shp, generator=gen, device=device)
+    return (1.0 / shp[1] ** 0.5) * torch.randn(shp, generator=gen, device=device)
 
 
 def make_tiny(
@@ -134,6 +146,7 @@ def make_tiny(
     dtype: str = "float32",
     prefix: bool = True,
     tokenizer_vocab: int | None = None,
+    device: str = "cpu",
 ) -> Path:
     """Write a random BLOOM checkpoint directory; returns its path."""
     if fmt not in ("safetensors", "bin"):
@@ -151,11 +164,11 @@ def make_tiny(
     out.mkdir(parents=True, exist_ok=True)
     shape = BloomShape(vocab_size=vocab, hidden_size=hidden, n_layer=layers, n_head=heads)
     (out / "config.json").write_text(json.dumps(bloom_config(shape, dtype), indent=2) + "\n")
-    train_tokenizer(out, min(vocab, tokenizer_vocab or 8192), seed)
+    train_tokenizer(out, min(vocab, tokenizer_vocab or 8192), seed, fill_to=vocab)
 
-    plans = plan_model(shape, 1, quantize=False, quantize_embeddings=False)
-    gen = torch.Generator().manual_seed(seed)
-    total = sum(torch.Size(p.shape).numel() for p in plans) * torch_dtype[dtype].itemsize
+    specs = shard_specs(shape, 1, quantize=False, quantize_embeddings=False)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    total = sum(torch.Size(p.shape).numel() for p in specs) * torch_dtype[dtype].itemsize
     per_shard = -(-total // shards)
     stem, ext = ("model", "safetensors") if fmt == "safetensors" else ("pytorch_model", "bin")
     weight_map: dict[str, str] = {}
@@ -173,9 +186,9 @@ def make_tiny(
         weight_map.update({k: fname for k in buffer})
         buffer, filled = {}, 0
 
-    for plan in plans:
-        t = _random_tensor(plan.name, plan.shape, hidden, gen).to(torch_dtype[dtype])
-        buffer[("transformer." if prefix else "") + plan.name] = t.contiguous()
+    for spec in specs:
+        t = _random_tensor(spec.name, spec.shape, hidden, gen).to(torch_dtype[dtype]).cpu()
+        buffer[("transformer." if prefix else "") + spec.name] = t.contiguous()
         filled += t.numel() * t.element_size()
         if filled >= per_shard and written < shards - 1:
             flush()
@@ -186,3 +199,30 @@ def make_tiny(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / f"{stem}.{ext}.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="mpinfer make-tiny", description=make_tiny.__doc__,
+                                epilog="example: mpinfer make-tiny out/tiny --layers 2 "
+                                "--hidden 64 --heads 4 --vocab 1024")  # fmt: skip
+    p.add_argument("out")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--format", choices=("safetensors", "bin"), default="safetensors")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where the random weights are drawn")
+    p.add_argument("--no-prefix", action="store_true", help="keys without 'transformer.'")
+    a = p.parse_args(argv)
+    try:
+        out = make_tiny(a.out, layers=a.layers, hidden=a.hidden, heads=a.heads, vocab=a.vocab,
+                        shards=a.shards, fmt=a.format, seed=a.seed, dtype=a.dtype,
+                        prefix=not a.no_prefix, device=a.device)  # fmt: skip
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0

@@ -1,4 +1,4 @@
-"""What the diag/ scripts share: a CUDA-graph timer and a plain read-only kernel."""
+"""What the diag scripts share: a CUDA-graph timer and a plain read-only kernel."""
 
 import torch
 import triton

@@ -6,11 +6,11 @@ enough buffers to miss the L2:
   fitted to time = fixed + bytes / rate between sizes: the hardware's ramp and tail;
 - the W8A16 matmul at one row at the same sizes (N x 4096), the better of two configs that
   the tuned table picks for large and mid-size launches.
-Writes a markdown table to stdout.  python3 diag/launch_floor.py"""
+Writes a markdown table to stdout.  python3 -m mpinfer.tools.diag.launch_floor"""
 
 import torch
 import triton
-from common import graph_us, read_chunks
+from .common import graph_us, read_chunks
 
 
 @triton.jit

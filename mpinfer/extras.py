@@ -1,0 +1,38 @@
+"""Optional dependencies, named in one place.
+
+`pip install mpinfer` serves int8 models: torch, safetensors, tokenizers, FastAPI and uvicorn.
+What some paths need beyond that is imported where it is used, inside the function that needs
+it, and only the modules listed in `LAZY` may be imported that way (tests/test_architecture.py
+checks it): each is either an extra (`pip install 'mpinfer[NAME]'`) or needs a GPU.
+
+`require(module)` imports one of them or raises a `ValueError` that names the extra to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# module -> (extra that installs it, or "" where it comes with a CUDA build of torch; why)
+LAZY: dict[str, tuple[str, str]] = {
+    "bitsandbytes": ("llm-int8", "quant.method='llm.int8'"),
+    "transformers": ("bench", "the transformers baselines of the benchmarks"),
+    "aiohttp": ("bench", "the served-speed benchmark's streaming clients"),
+    "triton": ("", "the GPU kernels (it comes with CUDA builds of torch)"),
+    # The kernels themselves import Triton at the top, so they are imported on a GPU only.
+    "mpinfer.kernels.w8a16": ("", "the int8 decode matmul on a GPU"),
+    "mpinfer.kernels.dequant": ("", "the int8 prefill path on a GPU"),
+    "mpinfer.kernels.attention": ("", "the decode attention on a GPU"),
+    "mpinfer.kernels.layernorm": ("", "the decode LayerNorm on a GPU"),
+}
+
+
+def require(module: str) -> ModuleType:
+    """`import module`, or a ValueError saying which extra installs it."""
+    extra, why = LAZY[module.split(".")[0] if module.split(".")[0] in LAZY else module]
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        hint = f"pip install 'mpinfer[{extra}]'" if extra else "a CUDA build of torch"
+        raise ValueError(f"{why} needs {module.split('.')[0]}, which is not available ({e}): "
+                         f"{hint}") from None  # fmt: skip

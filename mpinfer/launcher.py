@@ -1,0 +1,111 @@
+"""`mpinfer serve|repl|generate --nproc N`: start the ranks of one host, and own their lifetime.
+
+Each rank is `python -m mpinfer.cli SUBCOMMAND ...` with the environment torchrun would give it
+(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), in a session of its own so a
+terminal's Ctrl-C reaches the launcher alone; rank 0 keeps the launcher's stdin. What a service
+manager needs from it:
+
+- SIGTERM or SIGINT: passed on to rank 0 as SIGTERM; it drains (the server: up to
+  `server.shutdown_timeout`) and tells the other ranks to stop; the launcher exits with the
+  ranks' status, 0 after a clean drain, without a traceback. A second signal kills every rank
+  at once and exits 128 + the signal's number (so does the first, on a host without rank 0).
+- A rank that fails: the others get `grace_s` to notice (their collectives fail) before they are
+  killed; the launcher exits with the first failure's status.
+- The launcher killed outright: each rank notices its parent is gone and exits
+  (runtime.watch_launcher).
+
+Several hosts: `--nnodes N --node-rank R --master-addr HOST --master-port PORT` on each (ranks
+R * nproc ... R * nproc + nproc - 1; HOST:PORT is node 0, where rank 0 listens). What is not
+here: anything a rank does (runtime.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Topology:
+    nproc: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free port (one host only)
+
+    def check(self) -> Topology:
+        if self.nproc < 1:
+            raise ValueError(f"--nproc={self.nproc} must be >= 1")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank={self.node_rank} must be in [0, --nnodes={self.nnodes})")
+        if self.nnodes > 1 and not self.master_port:
+            raise ValueError("--nnodes > 1 needs --master-addr and --master-port (node 0's)")
+        return self
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(topo: Topology, subcommand: str, argv: list[str], *, grace_s: float = 30.0) -> int:
+    """Run this host's ranks of `mpinfer SUBCOMMAND argv` to the end; their exit status."""
+    topo.check()
+    port = topo.master_port or free_port()
+    world = topo.nproc * topo.nnodes
+    procs = []
+    for local in range(topo.nproc):
+        rank = topo.node_rank * topo.nproc + local
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(topo.nproc),
+            "GROUP_RANK": str(topo.node_rank),
+            "MASTER_ADDR": topo.master_addr,
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        }
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "mpinfer.cli", subcommand, *argv], env=env,
+            stdin=None if rank == 0 else subprocess.DEVNULL, start_new_session=True,
+        ))  # fmt: skip
+    signals: list[int] = []
+
+    def on_signal(signum, _frame):
+        signals.append(signum)
+        if len(signals) == 1 and topo.node_rank == 0:
+            procs[0].send_signal(signal.SIGTERM)  # rank 0 drains and stops the others
+        else:  # a second signal, or a host without rank 0 (the job cannot go on without it)
+            for p in procs:
+                p.kill()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        failed_at, status = None, 0
+        while any(p.poll() is None for p in procs):
+            codes = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            if codes and failed_at is None:
+                failed_at, status = time.monotonic(), codes[0]
+            if failed_at is not None and time.monotonic() - failed_at > grace_s:
+                for p in procs:
+                    p.kill()
+            time.sleep(0.05)
+        if len(signals) > 1 or (signals and topo.node_rank != 0):
+            return 128 + signals[-1]
+        bad = [p.returncode for p in procs if p.returncode != 0]
+        code = status or (bad[0] if bad else 0)
+        return code if code >= 0 else 128 - code  # -N: killed by signal N
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()

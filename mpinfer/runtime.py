@@ -1,0 +1,131 @@
+"""Start-up and teardown of a rank, written once for every face (server, REPL, generate).
+
+    run_rank(work, cfg)   init the process groups, watch the launcher, run work(ctx), tear down;
+                          a user error (ValueError) ends every rank with exit 1 and its message
+    prepare(cfg, ctx)     load the model, size and allocate the KV cache, capture the decode
+                          graphs (collectives, on every rank at this same point)
+    start(cfg, ctx)       prepare; then rank 0 gets the Engine, every other rank runs the
+                          worker loop until rank 0 stops
+    load_tokenizer, default_params   the tokenizer file; the config's [generation] defaults,
+                          the one place every face takes them from
+
+What is not here: the faces themselves (serve.py, repl.py, cli.py), the launcher that starts the
+ranks (launcher.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from .checkpoint import read_config
+from .config import RunConfig
+from .dist import DistContext, init_distributed, raise_everywhere, teardown
+from .engine import Engine
+from .loader import load_model
+from .memory import kv_slots
+from .runner import ModelRunner, run_worker
+from .sampling import SamplingParams
+
+log = logging.getLogger("mpinfer")
+
+
+def load_tokenizer(model_dir: str) -> Tokenizer:
+    """The model directory's fast tokenizer; a ValueError naming the directory or the file."""
+    read_config(model_dir)  # a missing directory is the error to report, not its tokenizer
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: mpinfer needs the model's fast tokenizer file")
+    return Tokenizer.from_file(str(path))
+
+
+def default_params(cfg: RunConfig, **overrides) -> SamplingParams:
+    """The config's [generation] section as SamplingParams, with `overrides` on top."""
+    g = cfg.generation
+    params = SamplingParams(
+        max_new_tokens=g.max_new_tokens, do_sample=g.do_sample, temperature=g.temperature,
+        top_k=g.top_k, top_p=g.top_p, typical_p=g.typical_p,
+        repetition_penalty=g.repetition_penalty, seed=None if g.seed < 0 else g.seed,
+    )  # fmt: skip
+    return dataclasses.replace(params, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def watch_launcher(interval: float = 0.5) -> None:
+    """A rank started by a launcher (torchrun or `mpinfer --nproc`) ends when the launcher
+    does, however it ends (SIGKILL included): a thread notices the parent is gone and exits
+    the process. Ranks on other hosts then fail on their next collective."""
+    if "LOCAL_RANK" not in os.environ:
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        log.error("the launcher (pid %d) is gone: exiting", parent)
+        logging.shutdown()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def run_rank(work: Callable[[DistContext], None], cfg: RunConfig) -> int:
+    """Init the process groups, run `work(ctx)`, tear down; user errors exit 1 on every rank."""
+    watch_launcher()
+    ctx = init_distributed(timeout_s=cfg.parallel.timeout_s)
+    try:
+        work(ctx)
+        return 0
+    except ValueError as e:
+        log.error("%s", e)
+        return 1
+    finally:
+        teardown()
+
+
+def prepare(cfg: RunConfig, ctx: DistContext, *, slots: int | None = None,
+            max_seq: int | None = None) -> ModelRunner:  # fmt: skip
+    """Every rank: check the tokenizer (rank 0), load, size the KV cache, capture the graphs."""
+    error = None
+    if ctx.is_rank0:
+        try:
+            load_tokenizer(cfg.model.path)
+        except ValueError as e:
+            error = str(e)
+    raise_everywhere(error, ctx)  # before any weight moves
+    loaded = load_model(cfg, ctx)
+    slots = slots or kv_slots(loaded, cfg, ctx)
+    s = cfg.server
+    return ModelRunner(
+        loaded,
+        ctx,
+        slots=slots,
+        max_seq=max_seq or s.max_seq_len,
+        max_prefill_tokens=s.max_prefill_tokens,
+        cuda_graphs=s.cuda_graphs,
+    )
+
+
+def start(
+    cfg: RunConfig,
+    ctx: DistContext,
+    *,
+    slots: int | None = None,
+    max_seq: int | None = None,
+    runner: ModelRunner | None = None,
+) -> Engine | None:
+    """Every rank: `prepare` (unless given its runner). Rank 0 returns its Engine (not yet
+    running); the other ranks serve rank 0's steps here and return None when it stops."""
+    runner = runner or prepare(cfg, ctx, slots=slots, max_seq=max_seq)
+    s = cfg.server
+    if ctx.is_rank0:
+        return Engine(runner, ctx, load_tokenizer(runner.loaded.model_dir), max_queue=s.max_queue,
+                      max_prefill_tokens=s.max_prefill_tokens)  # fmt: skip
+    run_worker(runner)
+    return None

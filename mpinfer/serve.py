@@ -1,0 +1,135 @@
+"""`launch/serve.py` / `mpinfer serve`: the HTTP server on rank 0, the engine on every rank, and a
+clean stop.
+
+Rank 0 binds the port first (so /health answers 503 while the model loads), starts every rank's
+engine (runtime.start) and runs it on its main thread; uvicorn runs on a second thread.
+SIGTERM or SIGINT on rank 0: /health turns 503 and new requests get 503, in-flight ones finish
+for up to `server.shutdown_timeout` seconds and are then cancelled, the engine sends its stop
+step, every rank exits 0; a second signal ends rank 0 at once (exit 1). A signal while the model
+loads aborts the load (exit 1). Other ranks ignore both signals (torchrun sends them to every
+rank) and leave when rank 0 says stop. If any rank dies, the collectives on the others fail,
+rank 0 marks itself failed (/health 503, in-flight requests get an error) and every process
+exits non-zero. What is not here: the routes (routes.py), the launcher (launcher.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from .config import RunConfig, add_config_args, config_from_args
+from .dist import DistContext
+from .routes import State, build_app
+from .runtime import run_rank, start
+
+log = logging.getLogger("mpinfer")
+
+EXAMPLE = """example:
+  mpinfer serve --nproc 2 --config configs/tiny-cpu.toml      # then: curl 127.0.0.1:8080/health
+  torchrun --nproc-per-node 8 launch/serve.py --config configs/bloom-176b-8x24gb.toml"""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mpinfer serve", description="serve HTTP on rank 0",
+                                epilog=EXAMPLE,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_config_args(p)
+    p.add_argument("--host", help="shortcut for --set server.host=")
+    p.add_argument("--port", type=int, help="shortcut for --set server.port=")
+    return p
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.host:
+        args.overrides.append(f'server.host="{args.host}"')
+    if args.port is not None:
+        args.overrides.append(f"server.port={args.port}")
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return run_rank(lambda ctx: serve_rank(cfg, ctx), cfg)
+
+
+class StopRequested(Exception):
+    """SIGTERM/SIGINT arrived while the model was loading."""
+
+
+def start_http(state: State, cfg: RunConfig) -> tuple[uvicorn.Server, threading.Thread]:
+    config = uvicorn.Config(build_app(state), host=cfg.server.host, port=cfg.server.port,
+                            log_level="warning", access_log=False)  # fmt: skip
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # rank 0's main thread owns the signals
+    thread = threading.Thread(target=server.run, name="http", daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and thread.is_alive() and time.time() < deadline:
+        time.sleep(0.05)
+    if not server.started:
+        raise ValueError(f"could not serve on {cfg.server.host}:{cfg.server.port} (port in use?)")
+    log.info("listening on http://%s:%d (loading)", cfg.server.host, cfg.server.port)
+    return server, thread
+
+
+def serve_rank(cfg: RunConfig, ctx: DistContext) -> None:
+    s = cfg.server
+    if not ctx.is_rank0:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 decides when to stop
+            signal.signal(sig, lambda *_: log.info("signal ignored: rank 0 drives shutdown"))
+        start(cfg, ctx)
+        return
+    state = State(cfg, model_name=Path(cfg.model.path).name)
+
+    def while_loading(signum, _frame):
+        state.status = "stopping"
+        raise StopRequested(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, while_loading)
+    http, thread = start_http(state, cfg)
+    try:
+        engine = start(cfg, ctx)
+        state.attach(engine)
+        install_shutdown(state, engine, s.shutdown_timeout)
+        state.status = "ready"
+        log.info("ready: http://%s:%d", s.host, s.port)
+        engine.run()
+    except StopRequested as e:
+        log.error("%s while loading: stopped before serving", e)
+        raise SystemExit(1) from None
+    except BaseException:
+        state.status = "failed"
+        time.sleep(0.5)  # let in-flight requests deliver their error before the socket closes
+        raise
+    finally:
+        http.should_exit = True
+        thread.join(timeout=10)
+    log.info("stopped")
+
+
+def install_shutdown(state: State, engine, timeout_s: float) -> None:
+    def on_signal(signum, _frame):
+        name = signal.Signals(signum).name
+        if state.status == "stopping":
+            log.error("%s again: stopping now", name)
+            logging.shutdown()
+            os._exit(1)
+        log.info("%s: draining (up to %.0f s), new requests get 503", name, timeout_s)
+        state.status = "stopping"
+        engine.stop()
+        timer = threading.Timer(timeout_s, engine.cancel_all)
+        timer.daemon = True
+        timer.start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)

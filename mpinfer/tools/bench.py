@@ -1,0 +1,30 @@
+"""`mpinfer bench WHAT`: every benchmark prints a markdown table and writes JSON (and the table)
+under bench/results/, side by side with its baselines in one run.
+
+    gpu       decode and prefill on one GPU against transformers and bitsandbytes (gpubench.py)
+    kernels   the W8A16 matmul and the decode attention alone (kernelbench.py)
+    load      shard and start times and host RAM, CPU (loadbench.py)
+    engine    the engine's tokens/s against concurrency, CPU (servebench.py)
+    serve     the real server through HTTP: CPU, or `--gpu` for the served speed (servebench.py)
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+WHAT = {
+    "gpu": "mpinfer.tools.gpubench",
+    "kernels": "mpinfer.tools.kernelbench",
+    "load": "mpinfer.tools.loadbench",
+    "engine": "mpinfer.tools.servebench",
+    "serve": "mpinfer.tools.servebench",
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in WHAT:
+        print(__doc__, file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    module = importlib.import_module(WHAT[argv[0]])
+    return module.main(argv if module.__name__.endswith("servebench") else argv[1:])

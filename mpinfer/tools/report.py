@@ -1,0 +1,61 @@
+"""What every benchmark ends with: a markdown table, the JSON beside it, the machine it ran on."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+
+def md_table(header: list[str], rows: list[list]) -> str:
+    """A markdown table: the header cells, then one line per row of already formatted cells."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def save_result(result: dict, out: str, table: str) -> None:
+    """The JSON at `out`, the markdown table beside it, the table on stdout."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    path.with_suffix(".md").write_text(table + "\n")
+    print(table)
+
+
+def machine() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "cpu": platform.processor() or platform.machine()}  # fmt: skip
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, gpu_memory_GB=p.total_memory / 1e9, sms=p.multi_processor_count)
+    return info
+
+
+def cuda_time(fn, *, iters: int, warmup: int = 3) -> float:
+    """Mean milliseconds of fn() over iters runs, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def measure_ceilings() -> dict:
+    """This GPU's device-to-device copy bandwidth (bytes read + written) and bf16 matmul rate."""
+    n = 1 << 30  # 1 GiB each way: far past the L2
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = cuda_time(lambda: b.copy_(a), iters=20)
+    bw = 2 * n / (ms / 1e3)
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm = cuda_time(lambda: x @ y, iters=10)
+    return {"copy_bandwidth_GBps": bw / 1e9, "bf16_matmul_TFLOPs": 2 * 8192**3 / (mm / 1e3) / 1e12}
