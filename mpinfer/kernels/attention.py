@@ -45,9 +45,9 @@ def _decode_attention_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    slot = tl.load(slot_ptr + b)
-    live = slot >= 0  # slot -1: a padding row of a captured bucket, it reads and writes nothing
-    slot = tl.maximum(slot, 0)
+    slot_in = tl.load(slot_ptr + b)
+    live = slot_in >= 0  # slot -1: a padding row of a captured bucket, it reads and writes nothing
+    slot = tl.maximum(slot_in, 0)
     pos = tl.load(pos_ptr + b)
     vf = tl.load(vf_ptr + b)
     slope = tl.load(slope_ptr + h)
@@ -61,8 +61,9 @@ def _decode_attention_kernel(
     if s == 0:
         k_new = tl.load(base + HEAD_DIM + d)
         v_new = tl.load(base + 2 * HEAD_DIM + d)
-        tl.store(k_ptr + cache_off + pos * stride_cl + d, k_new, mask=live & (d < HEAD_DIM))
-        tl.store(v_ptr + cache_off + pos * stride_cl + d, v_new, mask=live & (d < HEAD_DIM))
+        write = (d * 0 + slot_in) >= 0  # (HEAD_DIM,): every lane of a live row
+        tl.store(k_ptr + cache_off + pos * stride_cl + d, k_new, mask=write)
+        tl.store(v_ptr + cache_off + pos * stride_cl + d, v_new, mask=write)
         m_new_token = tl.sum(q * k_new.to(tl.float32)) * scale + slope * (pos - vf).to(tl.float32)
         m = tl.where(live, m_new_token, -float("inf"))
         denom = tl.where(live, 1.0, 0.0)

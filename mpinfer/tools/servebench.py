@@ -280,20 +280,25 @@ def profile(pid: int, seconds: float, out: Path) -> subprocess.Popen | None:
         return None
 
 
-def top_frames(raw: Path, n: int = 25) -> list[tuple[str, float]]:
-    """The functions that hold the most samples (self and below), from py-spy's raw output."""
+def top_frames(raw: Path, n: int = 30) -> dict:
+    """From py-spy's raw output: the frames holding the most samples, with what is below them
+    (inclusive %) and on their own (self %), per thread."""
     if not raw.exists():
-        return []
-    totals: dict[str, int] = {}
+        return {}
+    inclusive: dict[str, int] = {}
+    own: dict[str, int] = {}
     all_samples = 0
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         c = int(count)
         all_samples += c
-        for frame in set(stack.split(";")):
-            totals[frame] = totals.get(frame, 0) + c
-    top = sorted(totals.items(), key=lambda kv: -kv[1])[:n]
-    return [(f, 100 * c / max(all_samples, 1)) for f, c in top]
+        frames = stack.split(";")
+        for frame in set(frames):
+            inclusive[frame] = inclusive.get(frame, 0) + c
+        own[frames[-1]] = own.get(frames[-1], 0) + c
+    pct = lambda d: [(f, round(100 * c / max(all_samples, 1), 1))  # noqa: E731
+                     for f, c in sorted(d.items(), key=lambda kv: -kv[1])[:n]]  # fmt: skip
+    return {"samples": all_samples, "inclusive": pct(inclusive), "self": pct(own)}
 
 
 def engine_steps(ckpt: str, batches: list[int], context: int) -> dict:
@@ -355,7 +360,7 @@ def run_serve_gpu(a) -> dict:
                   vocab=shape.vocab_size, shards=8, dtype="float16", device="cuda")  # fmt: skip
     result = {"shape": a.shape, "checkpoint_write_s": time.perf_counter() - t0,
               "machine": machine(), "phases": {}}  # fmt: skip
-    out_dir = Path(a.out).parent
+    spy_dir = Path(a.workdir)
     t0 = time.perf_counter()
     server = ServerProcess(1, str(ckpt), 'quant.method="int8"', 'model.dtype="float16"',
                            "server.max_batch_slots=64", "server.max_seq_len=512",
@@ -364,24 +369,20 @@ def run_serve_gpu(a) -> dict:
     try:
         pid = server.rank0_pid()
         asyncio.run(load_phase(server.url, 4, 16))  # warm: the first requests of a fresh server
-        spy = profile(pid, 6, out_dir / "serve-gpu-profile-1client.txt") if a.profile else None
         result["phases"]["1"] = asyncio.run(load_phase(server.url, 1, 256))
-        if spy:
-            spy.wait()
         for clients in (8, 32, 64):
-            spy = None
-            if a.profile and clients == 32:
-                spy = profile(pid, 4, out_dir / "serve-gpu-profile-32clients.txt")
             result["phases"][str(clients)] = asyncio.run(load_phase(server.url, clients, 128))
-            if spy:
-                spy.wait()
             print(json.dumps(result["phases"][str(clients)]), flush=True)
+        if a.profile:  # after the measured phases: the profiler takes a little of the CPU
+            for clients, name in ((1, "1client"), (32, "32clients")):
+                spy = profile(pid, 3, spy_dir / f"profile-{name}.txt")
+                while spy is not None and spy.poll() is None:
+                    asyncio.run(load_phase(server.url, clients, 256 if clients == 1 else 128))
     finally:
         result["server_exit_code"] = server.stop()
         result["server_log_tail"] = server.output()[-4000:]
     for name in ("1client", "32clients"):
-        raw = out_dir / f"serve-gpu-profile-{name}.txt"
-        result[f"profile_{name}"] = top_frames(raw)
+        result[f"profile_{name}"] = top_frames(spy_dir / f"profile-{name}.txt")
     result["engine"] = engine_steps(str(ckpt), [1, 8, 32, 64], context=128)
     result["transformers"] = transformers_generate(str(ckpt), 32, 128)
     p, e = result["phases"], result["engine"]
