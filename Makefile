@@ -1,20 +1,23 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   install, make a tiny random BLOOM, generate with 2 tensor-parallel ranks on CPU
 #   make test   install, run the test suite (what CI runs)
+# and two more for the demo model: `make serve` (the HTTP server) and `make repl`.
 PYTHON ?= python3
 # The CPU build by default; on a GPU host: make TORCH="torch==2.13.0 --index-url ..." install
 TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
+DEMO := --nproc 2 --config configs/tiny-cpu.toml
 
-.PHONY: install demo test clean
+.PHONY: install demo serve repl test clean
 
 $(BIN)/mpinfer: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first: an unpinned dependency would otherwise pull a multi-GB CUDA build.
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[test]'
+	# compat: a path entry, not setuptools' import hook (which warns on every editable install)
+	$(BIN)/pip install -q -e '.[test]' --config-settings editable_mode=compat
 	# Hugging Face's text-generation client (a test client) pins huggingface_hub<1.0, which
 	# transformers 5 cannot use; it works with the newer hub, so it goes in without its pins.
 	$(BIN)/pip install -q --no-deps text-generation==0.7.0
@@ -26,8 +29,15 @@ out/tiny/config.json: | install
 	$(BIN)/mpinfer make-tiny out/tiny --layers 2 --hidden 64 --heads 4 --vocab 1024
 
 demo: install out/tiny/config.json
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc-per-node 2 launch/generate.py \
-		--config configs/tiny-cpu.toml --prompt "The capital of France is" --max-new-tokens 16
+	$(BIN)/mpinfer generate $(DEMO) --prompt "The capital of France is" --max-new-tokens 16
+
+serve: install out/tiny/config.json
+	@echo "The demo model on http://127.0.0.1:8080 (Ctrl-C stops it). From another terminal:"
+	@echo "  curl -s 127.0.0.1:8080/generate -d '{\"inputs\": \"Hello\", \"parameters\": {\"max_new_tokens\": 16}}'"
+	$(BIN)/mpinfer serve $(DEMO)
+
+repl: install out/tiny/config.json
+	$(BIN)/mpinfer repl $(DEMO)
 
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q

@@ -1,16 +1,27 @@
-"""Request parsing for the HTTP API: raw body -> (prompt, SamplingParams), or an `ApiError`
-naming the field. TGI routes answer 422 for bad input, OpenAI routes 400; both formats of error
-body are built here. No FastAPI in this module, so every rule is testable on its own.
+"""What every HTTP route shares before a request reaches the engine: the body read as a JSON
+object, typed getters that name the field they reject, the sampling parameters built from a
+request's fields on top of the config's [generation] defaults, and both formats of error body.
+TGI routes answer 422 for bad input, OpenAI routes 400.
+
+Nothing a client sends reaches the sampler unchecked: every number is range-checked against what
+the sampler computes (sampling.SamplingParams.check), integers beyond int64 and non-finite
+numbers are refused, strings with lone surrogates (invalid Unicode) are refused, a body that
+nests deeper than Python's JSON reader can follow is refused. No FastAPI here, so each rule is
+testable on its own. What is not here: each route family's own fields (tgi.py, oai.py).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from .sampling import MAX_STOP, SamplingParams
+from .config import GenerationConfig
+from .sampling import MAX_STOP, MIN_TEMPERATURE, SamplingParams
+
+INT64 = 2**63
+MAX_STOP_CHARS = 1000  # a stop string is searched in every token's text: keep it short
 
 
 class ApiError(Exception):
@@ -20,15 +31,21 @@ class ApiError(Exception):
 
 
 @dataclass(frozen=True)
-class Parsed:
-    prompt: str
+class Job:
+    """One generation a request asks for: the prompt (text, or token ids) and its parameters."""
+
+    prompt: str | list[int]
     params: SamplingParams
+    truncate: int | None = None  # keep only the prompt's last tokens (TGI's `truncate`)
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A parsed request: its jobs (one per prompt and choice) and how to answer it."""
+
+    jobs: tuple[Job, ...]
     stream: bool = False
-    details: bool = False
-    return_full_text: bool = False
-    decoder_input_details: bool = False
-    truncate: int | None = None
-    echo: bool = False
+    options: dict = field(default_factory=dict)  # route-specific: details, echo, usage, ...
 
 
 def read_json(body: bytes, status: int) -> dict:
@@ -40,9 +57,21 @@ def read_json(body: bytes, status: int) -> dict:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ApiError(status, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(status, "request body nests too deeply to read") from None
     if not isinstance(data, dict):
         raise ApiError(status, "request body must be a JSON object")
     return data
+
+
+def check_text(value: str, where: str, status: int) -> str:
+    """`value` unless it holds a lone surrogate (JSON's \\ud800 escapes make invalid Unicode)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(status, f"{where}: invalid Unicode (a lone surrogate at character "
+                       f"{e.start})", field=where) from None  # fmt: skip
+    return value
 
 
 class Fields:
@@ -51,10 +80,11 @@ class Fields:
     def __init__(self, data: dict, status: int, prefix: str = ""):
         self.data, self.status, self.prefix = data, status, prefix
 
-    def _fail(self, key: str, msg: str):
+    def fail(self, key: str, msg: str):
         raise ApiError(self.status, f"{self.prefix}{key}: {msg}", field=self.prefix + key)
 
     def get(self, key: str, kind: str, default: Any = None) -> Any:
+        """kind: int | float | bool | str | object | list; None (absent or null) -> default."""
         value = self.data.get(key)
         if value is None:
             return default
@@ -63,13 +93,25 @@ class Fields:
             "float": isinstance(value, (int, float)) and not isinstance(value, bool),
             "bool": isinstance(value, bool),
             "str": isinstance(value, str),
+            "object": isinstance(value, dict),
+            "list": isinstance(value, list),
         }[kind]
         if not ok:
-            self._fail(key, f"expected {kind}, got {type(value).__name__}")
+            self.fail(key, f"expected {kind}, got {json_type(value)}")
+        if kind == "int" and not -INT64 <= value < 2 * INT64:
+            self.fail(key, f"{value} is outside the 64-bit integer range")
         if kind == "float":
-            value = float(value)
+            value = float(value) if abs(value) < 1e308 or isinstance(value, float) else math.inf
             if not math.isfinite(value):
-                self._fail(key, f"must be a finite number, got {value}")
+                self.fail(key, f"must be a finite number, got {value}")
+        if kind == "str":
+            check_text(value, self.prefix + key, self.status)
+        return value
+
+    def ranged(self, key: str, kind: str, lo, hi, default=None):
+        value = self.get(key, kind, default)
+        if value is not None and not lo <= value <= hi:
+            self.fail(key, f"must be in [{lo}, {hi}], got {value}")
         return value
 
     def stop_list(self, key: str) -> tuple[str, ...]:
@@ -79,133 +121,88 @@ class Fields:
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-            self._fail(key, "expected a string or a list of strings")
+            self.fail(key, "expected a string or a list of strings")
         if len(value) > MAX_STOP:
-            self._fail(key, f"at most {MAX_STOP} stop strings, got {len(value)}")
-        if any(not s for s in value):
-            self._fail(key, "stop strings must not be empty")
+            self.fail(key, f"at most {MAX_STOP} stop strings, got {len(value)}")
+        for s in value:
+            check_text(s, self.prefix + key, self.status)
+            if not s or len(s) > MAX_STOP_CHARS:
+                self.fail(key, f"each stop string must have 1 to {MAX_STOP_CHARS} characters")
         return tuple(value)
 
     def reject_unknown(self, known: set[str]) -> None:
         for key in self.data:
             if key not in known:
-                self._fail(key, "unknown field")
+                self.fail(key, "unknown field")
+
+    def reject_set(self, key: str, why: str, allowed=(None,)) -> None:
+        """`key` may only be absent or one of `allowed` (accepted for compatibility)."""
+        if self.data.get(key) not in allowed:
+            self.fail(key, why)
 
 
-def _params(f: Fields, *, max_new_key: str, default_max_new: int, sample_default: bool,
-            stop_key: str) -> SamplingParams:  # fmt: skip
+def json_type(value) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
+            float: "number", type(None): "null"}.get(type(value), type(value).__name__)  # fmt: skip
+
+
+def sampling_params(
+    f: Fields, defaults: GenerationConfig, *, max_new_key: str, max_new: int | None,
+    sample_default: bool, names: dict[str, str],
+) -> SamplingParams:  # fmt: skip
+    """SamplingParams from a request's fields on top of the config's [generation] defaults.
+    Sampling happens when `do_sample` says so, else when any sampling control is given (or
+    `sample_default`); a temperature below MIN_TEMPERATURE, 0 included, is greedy on every
+    route. `names` maps SamplingParams fields to the request's own names for errors."""
     temperature = f.get("temperature", "float")
     top_k, top_p = f.get("top_k", "int"), f.get("top_p", "float")
     typical_p = f.get("typical_p", "float")
     do_sample = f.get("do_sample", "bool")
-    if do_sample is None:  # sampling when asked for, or when any sampling control is given
-        do_sample = sample_default or any(v is not None for v in (top_k, top_p, typical_p))
+    if do_sample is None:
+        do_sample = defaults.do_sample or sample_default
+        do_sample = do_sample or any(v is not None for v in (top_k, top_p, typical_p))
         if temperature is not None:
-            do_sample = temperature > 0
-    if temperature is not None and temperature < 0:
-        f._fail("temperature", f"must be >= 0, got {temperature}")
-    max_new = f.get(max_new_key, "int", default_max_new)
+            do_sample = temperature >= MIN_TEMPERATURE
+    seed = f.get("seed", "int")
+    if seed is None and defaults.seed >= 0:
+        seed = defaults.seed
     params = SamplingParams(
-        max_new_tokens=max_new,
-        do_sample=do_sample and temperature != 0,
-        temperature=1.0 if temperature in (None, 0) else temperature,
-        top_k=0 if top_k is None else top_k,
-        top_p=1.0 if top_p is None else top_p,
-        typical_p=1.0 if typical_p is None else typical_p,
-        repetition_penalty=f.get("repetition_penalty", "float", 1.0),
-        seed=f.get("seed", "int"),
-        stop=f.stop_list(stop_key),
+        max_new_tokens=defaults.max_new_tokens if max_new is None else max_new,
+        do_sample=bool(do_sample),
+        temperature=defaults.temperature if temperature is None else temperature,
+        top_k=defaults.top_k if top_k is None else top_k,
+        top_p=defaults.top_p if top_p is None else top_p,
+        typical_p=defaults.typical_p if typical_p is None else typical_p,
+        repetition_penalty=f.get("repetition_penalty", "float", defaults.repetition_penalty),
+        frequency_penalty=f.get("frequency_penalty", "float", 0.0),
+        presence_penalty=f.get("presence_penalty", "float", 0.0),
+        seed=seed,
+        stop=f.stop_list("stop"),
+        ignore_eos=bool(f.get("ignore_eos", "bool", False)),
+        min_tokens=f.get("min_tokens", "int", 0),
     )
+    return check_params(params, f, {"max_new_tokens": max_new_key, **names})
+
+
+def check_params(params: SamplingParams, f: Fields, names: dict[str, str]) -> SamplingParams:
+    """params.check(), its message naming the request's field (prefixed for nested objects)."""
     try:
-        params.check()
-    except ValueError as e:  # SamplingParams names the field: prefix it for nested objects
-        key = str(e).split("=", 1)[0].split(":", 1)[0]
-        raise ApiError(f.status, f"{f.prefix}{e}", field=f.prefix + key) from None
-    return params
+        return params.check()
+    except ValueError as e:
+        raise ApiError(f.status, f.prefix + rename(str(e), names),
+                       field=f.prefix + field_of(str(e), names)) from None  # fmt: skip
 
 
-TGI_PARAMS = {
-    "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "typical_p",
-    "repetition_penalty", "stop", "seed", "details", "return_full_text", "truncate",
-    "decoder_input_details", "best_of", "watermark", "frequency_penalty", "top_n_tokens",
-    "grammar", "adapter_id",
-}  # fmt: skip
+def rename(message: str, names: dict[str, str]) -> str:
+    """An engine or SamplingParams message in the request's own field names."""
+    for ours, theirs in sorted(names.items(), key=lambda kv: -len(kv[0])):
+        message = message.replace(ours, theirs)
+    return message
 
 
-def parse_tgi(body: bytes, *, default_max_new: int, stream: bool | None = None) -> Parsed:
-    data = read_json(body, 422)
-    top = Fields(data, 422)
-    top.reject_unknown({"inputs", "parameters", "stream"})
-    prompt = top.get("inputs", "str")
-    if not prompt:
-        top._fail("inputs", "must be a non-empty string")
-    raw = data.get("parameters") or {}
-    if not isinstance(raw, dict):
-        top._fail("parameters", "must be an object")
-    f = Fields(raw, 422, "parameters.")
-    f.reject_unknown(TGI_PARAMS)
-    if (f.get("best_of", "int") or 1) > 1:
-        f._fail("best_of", "values above 1 are not supported")
-    if f.get("watermark", "bool"):
-        f._fail("watermark", "is not supported")
-    for key in ("grammar", "adapter_id"):
-        if raw.get(key) is not None:
-            f._fail(key, "is not supported")
-    if f.get("top_n_tokens", "int"):
-        f._fail("top_n_tokens", "is not supported")
-    if raw.get("frequency_penalty") not in (None, 0, 0.0):
-        f._fail("frequency_penalty", "is not supported; use repetition_penalty")
-    truncate = f.get("truncate", "int")
-    if truncate is not None and truncate <= 0:
-        f._fail("truncate", f"must be > 0, got {truncate}")
-    params = _params(f, max_new_key="max_new_tokens", default_max_new=default_max_new,
-                     sample_default=False, stop_key="stop")  # fmt: skip
-    return Parsed(
-        prompt, params,
-        stream=stream if stream is not None else bool(top.get("stream", "bool", False)),
-        details=bool(f.get("details", "bool", False)),
-        return_full_text=bool(f.get("return_full_text", "bool", False)),
-        decoder_input_details=bool(f.get("decoder_input_details", "bool", False)),
-        truncate=truncate,
-    )  # fmt: skip
-
-
-OPENAI_FIELDS = {
-    "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed",
-    "echo", "logprobs", "user", "presence_penalty", "frequency_penalty", "best_of",
-    "stream_options", "top_k", "repetition_penalty", "typical_p", "logit_bias", "suffix",
-}  # fmt: skip
-
-
-def parse_openai(body: bytes, *, default_max_new: int = 16) -> Parsed:
-    data = read_json(body, 400)
-    f = Fields(data, 400)
-    f.reject_unknown(OPENAI_FIELDS)
-    prompt = data.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        f._fail("prompt", "a list of several prompts is not supported; send one string")
-    prompt = f.get("prompt", "str")
-    if not prompt:
-        f._fail("prompt", "must be a non-empty string")
-    if (f.get("n", "int") or 1) != 1:
-        f._fail("n", "only n=1 is supported")
-    if (f.get("best_of", "int") or 1) != 1:
-        f._fail("best_of", "only best_of=1 is supported")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if f.get(key, "float") not in (None, 0.0):
-            f._fail(key, "is not supported; use repetition_penalty")
-    if data.get("logit_bias"):
-        f._fail("logit_bias", "is not supported")
-    if data.get("suffix"):
-        f._fail("suffix", "is not supported")
-    if f.get("logprobs", "int"):
-        f._fail("logprobs", "is not supported")
-    params = _params(f, max_new_key="max_tokens", default_max_new=default_max_new,
-                     sample_default=True, stop_key="stop")  # fmt: skip
-    return Parsed(prompt, params, stream=bool(f.get("stream", "bool", False)),
-                  echo=bool(f.get("echo", "bool", False)))  # fmt: skip
+def field_of(message: str, names: dict[str, str]) -> str:
+    key = message.split("=", 1)[0].split(":", 1)[0].strip()
+    return names.get(key, key)
 
 
 def tgi_error(e: ApiError) -> dict:
@@ -214,4 +211,10 @@ def tgi_error(e: ApiError) -> dict:
 
 def openai_error(e: ApiError) -> dict:
     kind = "invalid_request_error" if e.status < 500 else "server_error"
-    return {"error": {"message": e.message, "type": kind, "param": e.field or None, "code": None}}
+    return {"error": {"message": e.message, "type": kind, "param": e.field or None,
+                      "code": e.status}}  # fmt: skip
+
+
+def finite(x: float | None) -> float | None:
+    """A log-probability for JSON: -inf (a token the model cannot produce) becomes None."""
+    return x if x is not None and math.isfinite(x) else None

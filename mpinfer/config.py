@@ -84,6 +84,9 @@ class ServerConfig:
     max_prefill_tokens: int = 512
     # Capture the decode step in CUDA graphs (one per batch-size bucket) on GPUs.
     cuda_graphs: bool = True
+    # A Jinja chat template file for /v1/chat/completions; "" = the tokenizer's, else BLOOM's
+    # default (chat.py).
+    chat_template: str = ""
 
 
 @dataclass(frozen=True)

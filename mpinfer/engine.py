@@ -198,7 +198,7 @@ class Engine:
             self.running.clear()
         log.error("engine failed: %s", error)
         for req in reqs:
-            req.sink(Event("error", error=error))
+            notify(req, Event("error", error=error))
 
     def _launch_next(self) -> InFlight | None:
         """Admit, plan, send and launch the next step (None: nothing to run now)."""
@@ -259,7 +259,7 @@ class Engine:
     def _finish_unstarted(self, req: Request) -> None:
         result = Result(list(req.prompt_ids), finish_reason="cancelled", seed=req.params.seed)
         result.latency_s = time.perf_counter() - req.arrival
-        req.sink(Event("done", result=result))
+        notify(req, Event("done", result=result))
 
     def _plan(self) -> tuple[Step, list[tuple[Sequence, int]], list[Sequence]]:
         """The next step, the rows it samples (sequence, token index), and the requests that
@@ -374,6 +374,14 @@ class Engine:
             self.free.sort()
         if reason == "error":
             self.failed_requests += 1
-            s.req.sink(Event("error", error=error, result=r))
+            notify(s.req, Event("error", error=error, result=r))
         else:
-            s.req.sink(Event("done", text=tail, result=r))
+            notify(s.req, Event("done", text=tail, result=r))
+
+
+def notify(req: Request, ev: Event) -> None:
+    """A request's last event: a sink that fails here has nobody left to tell but the log."""
+    try:
+        req.sink(ev)
+    except Exception:  # the request is over either way; the engine must go on
+        log.exception("request %d: its sink failed on its %s event", req.id, ev.kind)

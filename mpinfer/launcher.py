@@ -59,6 +59,15 @@ def launch(topo: Topology, subcommand: str, argv: list[str], *, grace_s: float =
     topo.check()
     port = topo.master_port or free_port()
     world = topo.nproc * topo.nnodes
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads is None:  # torch's launcher would print a warning banner instead
+        threads = str(max(1, (os.cpu_count() or 1) // topo.nproc))
+        print(
+            f"mpinfer: OMP_NUM_THREADS={threads} for each of {topo.nproc} ranks (the CPUs "
+            "shared out; set OMP_NUM_THREADS to choose)",
+            file=sys.stderr,
+            flush=True,
+        )
     procs = []
     for local in range(topo.nproc):
         rank = topo.node_rank * topo.nproc + local
@@ -71,7 +80,7 @@ def launch(topo: Topology, subcommand: str, argv: list[str], *, grace_s: float =
             "GROUP_RANK": str(topo.node_rank),
             "MASTER_ADDR": topo.master_addr,
             "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            "OMP_NUM_THREADS": threads,
         }
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "mpinfer.cli", subcommand, *argv], env=env,

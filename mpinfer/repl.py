@@ -217,6 +217,19 @@ class HttpBackend:
         self.url = url.rstrip("/")
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
 
+    def defaults(self, overrides: list[str]) -> SamplingParams:
+        """The server's [generation] defaults (from /info), then this command line's
+        `--set generation.*` on top: the same defaults as the server's own routes."""
+        try:
+            r = httpx.get(self.url + "/info", headers=self.headers, timeout=30)
+            served = r.json().get("generation_defaults", {}) if r.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError) as e:
+            raise ValueError(f"--url {self.url}: no answer from /info ({e})") from None
+        mine = [o for o in overrides if o.startswith("generation.")]
+        cfg = load_config(None, [f"generation.{k}={json.dumps(v)}" for k, v in served.items()]
+                          + mine)  # fmt: skip
+        return default_params(cfg)
+
     def stream(self, prompt: str, params: SamplingParams, on_text, interrupted) -> dict:
         body = {"inputs": prompt, "parameters": {
             "max_new_tokens": params.max_new_tokens, "do_sample": params.do_sample,
@@ -314,14 +327,15 @@ def _parser() -> argparse.ArgumentParser:
 def repl_main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.url:
+        backend = HttpBackend(args.url, args.api_key)
         try:
-            cfg = load_config(args.config, args.overrides)
+            defaults = backend.defaults(args.overrides)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         term = Terminal(args.history)
         try:
-            return run_repl(HttpBackend(args.url, args.api_key), default_params(cfg), term)
+            return run_repl(backend, defaults, term)
         finally:
             term.close()
     try:

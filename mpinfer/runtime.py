@@ -96,6 +96,10 @@ def prepare(cfg: RunConfig, ctx: DistContext, *, slots: int | None = None,
     if ctx.is_rank0:
         try:
             load_tokenizer(cfg.model.path)
+            if read_config(cfg.model.path).get("mpinfer_random_weights"):
+                log.warning("%s holds random weights (mpinfer make-tiny): the text it writes is "
+                            "meaningless; for a real model pass --model /path/to/bloom (an HF "
+                            "checkpoint directory)", cfg.model.path)  # fmt: skip
         except ValueError as e:
             error = str(e)
     raise_everywhere(error, ctx)  # before any weight moves

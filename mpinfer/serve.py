@@ -25,10 +25,12 @@ from pathlib import Path
 
 import uvicorn
 
+from .chat import load_chat_template
 from .config import RunConfig, add_config_args, config_from_args
-from .dist import DistContext
-from .routes import State, build_app
+from .dist import DistContext, raise_everywhere
+from .routes import build_app
 from .runtime import run_rank, start
+from .streams import State
 
 log = logging.getLogger("mpinfer")
 
@@ -86,8 +88,15 @@ def serve_rank(cfg: RunConfig, ctx: DistContext) -> None:
     if not ctx.is_rank0:
         for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 decides when to stop
             signal.signal(sig, lambda *_: log.info("signal ignored: rank 0 drives shutdown"))
+        raise_everywhere(None, ctx)  # rank 0's check of the chat template
         start(cfg, ctx)
         return
+    error, chat = None, None
+    try:  # a template that does not render stops the server before anything loads
+        chat = load_chat_template(cfg.model.path, s.chat_template)
+    except ValueError as e:
+        error = str(e)
+    raise_everywhere(error, ctx)
     state = State(cfg, model_name=Path(cfg.model.path).name)
 
     def while_loading(signum, _frame):
@@ -99,7 +108,7 @@ def serve_rank(cfg: RunConfig, ctx: DistContext) -> None:
     http, thread = start_http(state, cfg)
     try:
         engine = start(cfg, ctx)
-        state.attach(engine)
+        state.attach(engine, chat)
         install_shutdown(state, engine, s.shutdown_timeout)
         state.status = "ready"
         log.info("ready: http://%s:%d", s.host, s.port)

@@ -16,8 +16,8 @@ import time
 from mpinfer.config import load_config
 from mpinfer.dist import init_distributed, teardown
 from mpinfer.engine import Engine
-from mpinfer.request import QueueFull
 from mpinfer.loader import load_model
+from mpinfer.request import QueueFull
 from mpinfer.runner import ModelRunner, run_worker
 from mpinfer.runtime import load_tokenizer
 from mpinfer.sampling import SamplingParams
@@ -180,10 +180,51 @@ def scenarios(runner, ctx, tok):
     t.join()
     out["chunked"] = {"long_alone": long_alone, "long": as_dict(late["box"]["result"]),
                       "decoding": as_dict(first["result"])}  # fmt: skip
+
+    # 9. A request whose sink raises on its third token fails alone: the others in its batch
+    #    finish as they do alone, and the engine goes on.
+    engine = Engine(runner, ctx, tok)
+    seen = []
+
+    def faulty_sink(ev):
+        seen.append(ev)
+        if ev.kind == "token" and sum(e.kind == "token" for e in seen) == 3:
+            raise RuntimeError("the client's sink broke")
+
+    victim = engine.submit(enc[0], greedy[0], faulty_sink)
+    boxes = [collect(engine, enc[i], greedy[i])[1] for i in (1, 2, 3)]
+    engine.run(until_idle=True)
+    out["sink_fault"] = {"victim": [e.kind for e in seen], "victim_error": seen[-1].error,
+                         "others": [as_dict(b["result"]) for b in boxes],
+                         "free": len(engine.free), "victim_id": victim.id}  # fmt: skip
+
+    # 10. NaN logits in one request's row (as a broken kernel would give): that request ends
+    #     with an error, the rows beside it are untouched.
+    engine = Engine(runner, ctx, tok)
+    execute = runner.execute
+    state = {"poison": True}
+
+    def poisoned(step, on_prompt_logits=None):
+        logits = execute(step, on_prompt_logits)
+        if state["poison"] and 0 in step.decode_slots:
+            logits = logits.clone()
+            logits[step.decode_slots.index(0)] = float("nan")
+        return logits
+
+    runner.execute = poisoned
+    box_victim = collect(engine, enc[0], greedy[0])[1]
+    boxes = [collect(engine, enc[i], greedy[i])[1] for i in (1, 2)]
+    engine.run(until_idle=True)
+    runner.execute = execute
+    out["nan_row"] = {"victim_error": box_victim.get("error", ""),
+                      "victim_result": as_dict(box_victim["result"]) if box_victim.get(
+                          "result") else None,
+                      "others": [as_dict(b["result"]) for b in boxes],
+                      "failed": engine.failed_requests, "free": len(engine.free)}  # fmt: skip
     return out
 
 
-N_SCENARIOS = 8 + 1 + 1 + 3 + 1 + 1 + 1 + 1 + 2
+N_SCENARIOS = 8 + 1 + 1 + 3 + 1 + 1 + 1 + 1 + 2 + 1 + 1
 
 
 def main(model_dir, out_path, fault=False):

@@ -32,6 +32,11 @@ GROUPS = {
     "faces": {
         "mpinfer.api",
         "mpinfer.chat",
+        "mpinfer.streams",
+        "mpinfer.tgi",
+        "mpinfer.oai",
+        "mpinfer.oairoutes",
+        "mpinfer.schema",
         "mpinfer.routes",
         "mpinfer.serve",
         "mpinfer.repl",

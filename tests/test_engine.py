@@ -82,6 +82,22 @@ def test_long_prompt_is_prefilled_in_chunks_without_stalling_decodes(eng):
     assert d["last_step"] - d["first_step"] == len(d["token_ids"]) - 1 == 19
 
 
+def test_a_fault_in_one_request_fails_that_request_alone(eng):
+    """A request's sink that raises, and a row whose logits are NaN: each such request ends
+    with an error event (its slot freed); every other request of the batch gets the tokens it
+    gets alone, and the engine goes on to the next scenario."""
+    f = eng["sink_fault"]
+    assert f["victim"][-1] == "error" and "the client's sink broke" in f["victim_error"]
+    assert f["victim"].count("token") == 3 and f["free"] == 4
+    for got, i in zip(f["others"], (1, 2, 3)):
+        assert got["token_ids"] == eng["alone"][i]["token_ids"]
+    n = eng["nan_row"]
+    assert "not finite" in n["victim_error"] and n["failed"] == 1 and n["free"] == 4
+    assert n["victim_result"]["finish_reason"] == "error"
+    for got, i in zip(n["others"], (1, 2)):
+        assert got["token_ids"] == eng["alone"][i]["token_ids"]
+
+
 def test_fault_on_a_worker_rank_ends_every_rank_nonzero(ckpts, tmp_path):
     t0 = time.time()
     proc = torchrun(2, ["tests/engine_worker.py", str(ckpts["st_sharded"]), str(tmp_path / "x"),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import pytest
 
 from mpinfer.dist import torchrun_command
 
-from .conftest import ROOT, torchrun
+from .conftest import ENV, ROOT, Server, torchrun
 
 PROMPT = "the capital of france is"
 
@@ -42,12 +41,7 @@ def reference(ckpts):
 
 
 def spawn(args: list[str], tmp_path) -> pexpect.spawn:
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-        "MPINFER_LOG_LEVEL": "WARNING",
-    }
+    env = {**ENV, "MPINFER_LOG_LEVEL": "WARNING"}
     cmd = torchrun_command(
         2,
         [
@@ -137,36 +131,27 @@ def test_piped_stdin_one_prompt_per_line(ckpts, reference):
         text=True,
         cwd=ROOT,
         timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=ENV,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.splitlines() == [reference[8], reference[8]]
     assert proc.stderr.count("tokens/s") == 2
 
 
-def test_url_attaches_to_a_running_server(ckpts, reference, tmp_path):
-    from .test_server import Server
-
-    server = Server(ckpts["st_sharded"])
+def test_url_attaches_to_a_running_server_and_takes_its_defaults(ckpts, reference):
+    """`mpinfer repl --url`: the server's generation defaults (its max_new_tokens, 3 here),
+    then the command line's --set generation.* on top."""
+    server = Server(ckpts["st_sharded"], "generation.max_new_tokens=3")
     try:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "mpinfer.cli",
-                "repl",
-                "--url",
-                server.url,
-                "--set",
-                "generation.max_new_tokens=8",
-            ],
-            input=f"{PROMPT}\n",
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            timeout=60,
-        )
+        outs = []
+        for extra in ([], ["--set", "generation.max_new_tokens=8"]):
+            proc = subprocess.run(
+                [sys.executable, "-m", "mpinfer.cli", "repl", "--url", server.url, *extra],
+                input=f"{PROMPT}\n", capture_output=True, text=True, cwd=ROOT, timeout=60,
+                env=ENV,
+            )  # fmt: skip
+            assert proc.returncode == 0, proc.stderr
+            outs.append(proc.stdout.splitlines())
     finally:
         server.stop()
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == [reference[8]]
+    assert outs == [[reference[3]], [reference[8]]]

@@ -1,5 +1,6 @@
-"""The HTTP server as real processes: torchrun, tp=2, the tiny model, 127.0.0.1 on a free port.
-Clients: the official `openai` client, Hugging Face's `text-generation` client, httpx."""
+"""The HTTP server as real processes: `mpinfer serve --nproc 2` (and torchrun), the tiny model,
+127.0.0.1 on a free port. Clients: the official `openai` client, Hugging Face's
+`text-generation` client and InferenceClient, httpx. Bad and hostile input, limits, stops."""
 
 from __future__ import annotations
 
@@ -7,103 +8,18 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
+import sys
 import threading
 import time
 
 import httpx
-import psutil
 import pytest
 
-from mpinfer.dist import torchrun_command
-
-from .conftest import ROOT
+from .conftest import ENV, ROOT, Server
 
 PROMPTS = ["the capital of france is", "river king queen", "café 東京 water", "a"]
 MAX_NEW = 10
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model, *settings: str):
-        self.port = free_port()
-        self.headers = {}
-        self.url = f"http://127.0.0.1:{self.port}"
-        args = torchrun_command(
-            2,
-            [
-                "launch/serve.py",
-                "--model",
-                str(model),
-                "--port",
-                str(self.port),
-                "--quant",
-                "none",
-                "--dtype",
-                "float32",
-                "--set",
-                "parallel.timeout_s=20",
-                *[x for s in settings for x in ("--set", s)],
-            ],
-        )
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        self.log = open(ROOT / f".server-{self.port}.log", "w+")
-        self.proc = subprocess.Popen(
-            args,
-            cwd=ROOT,
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.time() + 90
-        while time.time() < deadline:
-            with contextlib.suppress(httpx.HTTPError):  # not listening yet
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            assert self.proc.poll() is None, self.output()
-            time.sleep(0.2)
-        raise AssertionError("server did not become ready:\n" + self.output())
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def rank_pid(self, rank: int) -> int:
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
-            try:
-                if child.environ().get("RANK") == str(rank):
-                    return child.pid
-            except psutil.Error:
-                continue
-        raise AssertionError(f"no rank {rank} process")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-        self.log.close()
-        os.unlink(self.log.name)
-
-    def metric(self, name: str) -> float:
-        for line in httpx.get(self.url + "/metrics", headers=self.headers).text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        raise AssertionError(name)
-
-
-@pytest.fixture(scope="module")
-def server(ckpts):
-    s = Server(ckpts["st_sharded"], "server.max_seq_len=256", "server.max_queue=64")
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -173,48 +89,85 @@ BAD = [
     # (route, body, status, words the message must contain)
     ("/generate", b'{"inputs": ""}', 422, "inputs"),
     ("/generate", b'{"inputs": "hi", "parameters": {"max_new_tokens": 0}}', 422, "max_new_tokens"),
-    (
-        "/generate",
-        b'{"inputs": "hi", "parameters": {"max_new_tokens": 999}}',
-        422,
-        "max_new_tokens",
-    ),
+    ("/generate", b'{"inputs": "hi", "parameters": {"max_new_tokens": 999}}', 422,
+     "max_new_tokens"),
+    ("/generate", b'{"inputs": "hi", "parameters": {"max_new_tokens": 1e30}}', 422,
+     "max_new_tokens"),
+    ("/generate", b'{"inputs": "hi", "parameters": {"max_new_tokens": 100000000000000000000}}',
+     422, "max_new_tokens"),
     ("/generate", b'{"inputs": "hi", "parameters": {"temperature": -1}}', 422, "temperature"),
     ("/generate", b'{"inputs": "hi", "parameters": {"temperature": NaN}}', 422, "temperature"),
+    ("/generate", b'{"inputs": "hi", "parameters": {"temperature": 1e999}}', 422, "temperature"),
     ("/generate", b'{"inputs": "hi", "parameters": {"top_p": 1.5}}', 422, "top_p"),
     ("/generate", b'{"inputs": "hi", "parameters": {"top_p": 0}}', 422, "top_p"),
     ("/generate", b'{"inputs": "hi", "parameters": {"top_k": -3}}', 422, "top_k"),
-    (
-        "/generate",
-        b'{"inputs": "hi", "parameters": {"stop": ["a","b","c","d","e","f","g","h","i"]}}',
-        422,
-        "stop",
-    ),
+    ("/generate", b'{"inputs": "hi", "parameters": {"typical_p": 0}}', 422, "typical_p"),
+    ("/generate", b'{"inputs": "hi", "parameters": {"do_sample": true, '
+     b'"repetition_penalty": 1e-300}}', 422, "repetition_penalty"),
+    ("/generate", b'{"inputs": "hi", "parameters": {"do_sample": true, '
+     b'"repetition_penalty": 5e-324}}', 422, "repetition_penalty"),
+    ("/generate", b'{"inputs": "hi", "parameters": {"repetition_penalty": 0}}', 422,
+     "repetition_penalty"),
+    ("/generate", b'{"inputs": "hi", "parameters": {"do_sample": true, '
+     b'"seed": 18446744073709551616}}', 422, "seed"),
+    ("/generate", b'{"inputs": "hi", "parameters": {"seed": -1}}', 422, "seed"),
+    ("/generate", b'{"inputs": "hi", "parameters": {"stop": ["a","b","c","d","e","f","g","h",'
+     b'"i"]}}', 422, "stop"),
     ("/generate", b'{"inputs": "hi", "parameters": {"stop": [""]}}', 422, "stop"),
-    (
-        "/generate",
-        b'{"inputs": "hi", "parameters": {"max_new_tokens": "5"}}',
-        422,
-        "max_new_tokens",
-    ),
+    ("/generate", b'{"inputs": "hi", "parameters": {"stop": [1]}}', 422, "stop"),
+    ("/generate", b'{"inputs": "hi", "parameters": {"max_new_tokens": "5"}}', 422,
+     "max_new_tokens"),
     ("/generate", b'{"inputs": 5}', 422, "inputs"),
+    ("/generate", b'{"inputs": "\\ud800abc"}', 422, "inputs: invalid Unicode"),
+    ("/generate", b'{"inputs": "hi", "parameters": {"stop": ["\\udfff"]}}', 422,
+     "parameters.stop: invalid Unicode"),
+    ("/generate", b'{"inputs": "hi", "stream": {}}', 422, "stream"),
+    ("/generate", b'{"inputs": "hi", "parameters": []}', 422, "parameters"),
     ("/generate", b'{"inputs": "hi", "parameters": {"best_of": 2}}', 422, "best_of"),
     ("/generate", b'{"inputs": "hi", "parameters": {"colour": 1}}', 422, "colour"),
     ("/generate", b'{"inputs": "hi", "parameters": {"adapter_id": "x"}}', 422, "adapter_id"),
+    ("/generate", b'{"inputs": "hi", "parameters": {"top_n_tokens": 99}}', 422, "top_n_tokens"),
     ("/generate", b'{"inputs": "hi",', 422, "not valid JSON"),
     ("/generate", b'{"inputs": "\xff\xfe"}', 422, "UTF-8"),
+    ("/generate", b"[" * 100000, 422, "nests too deeply"),
     ("/generate_stream", b"[1, 2]", 422, "JSON object"),
-    ("/v1/completions", b'{"prompt": "hi", "n": 2}', 400, "n"),
     ("/v1/completions", b'{"prompt": ""}', 400, "prompt"),
-    ("/v1/completions", b'{"prompt": "hi", "max_tokens": -1}', 400, "max_new_tokens"),
+    ("/v1/completions", b'{"prompt": []}', 400, "prompt"),
+    ("/v1/completions", b'{"prompt": [[]]}', 400, "prompt"),
+    ("/v1/completions", b'{"prompt": [1, "a"]}', 400, "prompt"),
+    ("/v1/completions", b'{"prompt": [5000000]}', 400, "outside the vocabulary"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": -1}', 400, "max_tokens"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 999}', 400, "max_tokens"),
     ("/v1/completions", b'{"prompt": "hi", "temperature": "hot"}', 400, "temperature"),
-    ("/v1/completions", b'{"prompt": ["a", "b"]}', 400, "prompt"),
-    ("/v1/completions", b'{"prompt": "hi", "logprobs": 3}', 400, "logprobs"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": 1e-300, "seed": 1e400}', 400, "seed"),
+    ("/v1/completions", b'{"prompt": "hi", "seed": 18446744073709551616}', 400, "seed"),
+    ("/v1/completions", b'{"prompt": "hi", "logprobs": 99}', 400, "logprobs"),
+    ("/v1/completions", b'{"prompt": "hi", "n": 0}', 400, "n"),
+    ("/v1/completions", b'{"prompt": "hi", "n": 3, "best_of": 2}', 400, "best_of"),
+    ("/v1/completions", b'{"prompt": "hi", "user": {}}', 400, "user"),
+    ("/v1/completions", b'{"prompt": "hi", "stream_options": {"include_usage": true}}', 400,
+     "stream_options"),
+    ("/v1/completions", b'{"prompt": "hi", "frequency_penalty": 3}', 400, "frequency_penalty"),
+    ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"5": 10}}', 400, "logit_bias"),
+    ("/v1/completions", b'{"prompt": "hi", "colour": 1}', 400, "colour"),
     ("/v1/completions", b"not json", 400, "not valid JSON"),
-]
+    ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "robot", "content": "x"}]}', 400,
+     "messages[0].role"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": '
+     b'"image_url"}]}]}', 400, "messages[0].content[0].type"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], '
+     b'"max_completion_tokens": 999}', 400, "max_completion_tokens"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], '
+     b'"top_logprobs": 2}', 400, "top_logprobs"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], '
+     b'"tools": [{"type": "function"}]}', 400, "tools"),
+    ("/nowhere", b"{}", 404, "Not Found"),
+]  # fmt: skip
 
 
-def test_bad_inputs_get_a_clear_4xx_and_the_server_stays_healthy(server):
+def test_bad_inputs_get_a_clear_json_4xx_and_the_server_stays_healthy(server):
     before = httpx.post(
         server.url + "/generate", json={"inputs": "river", "parameters": {"max_new_tokens": 6}}
     ).json()
@@ -222,15 +175,53 @@ def test_bad_inputs_get_a_clear_4xx_and_the_server_stays_healthy(server):
         r = httpx.post(
             server.url + route, content=body, headers={"content-type": "application/json"}
         )
-        assert r.status_code == status, (route, body, r.text)
-        err = r.json()["error"]
-        message = err["message"] if isinstance(err, dict) else err
-        assert words in message, (body, message)
+        assert r.status_code == status, (route, body[:80], r.text)
+        err = r.json()["error"]  # every error is JSON, in its route family's shape
+        message = err["message"] if route.startswith("/v1/") else err
+        assert words in message, (body[:80], message)
     assert httpx.get(server.url + "/health").status_code == 200
     after = httpx.post(
         server.url + "/generate", json={"inputs": "river", "parameters": {"max_new_tokens": 6}}
     ).json()
     assert after == before
+
+
+EXTREME = [
+    # Accepted and computed: a temperature below the sampler's minimum is greedy, the smallest
+    # top_p keeps one token, the largest seed is a seed.
+    ("/generate", {"inputs": "river", "parameters": {"max_new_tokens": 6, "temperature": 1e-300}}),
+    ("/generate", {"inputs": "river", "parameters": {"max_new_tokens": 6, "temperature": 1e-38,
+                                                     "do_sample": True}}),
+    ("/generate", {"inputs": "river", "parameters": {"max_new_tokens": 6, "do_sample": True,
+                                                     "top_p": 1e-300}}),
+    ("/generate", {"inputs": "river", "parameters": {"max_new_tokens": 6, "do_sample": True,
+                                                     "seed": 2**64 - 1, "top_k": 10**15}}),
+    ("/v1/completions", {"prompt": "river", "max_tokens": 6, "temperature": 1e-300}),
+]  # fmt: skip
+
+
+def test_extreme_but_valid_parameters_are_computed_and_harm_nobody(server):
+    """Parameters at the edges of what the sampler computes: each gets a 200 with a finite
+    answer, and a greedy request that runs beside them is unaffected."""
+    greedy = {"inputs": "river", "parameters": {"max_new_tokens": 6}}
+    before = httpx.post(server.url + "/generate", json=greedy).json()["generated_text"]
+    results = {}
+
+    def call(i, route, body):
+        results[i] = httpx.post(server.url + route, json=body, timeout=60)
+
+    threads = [threading.Thread(target=call, args=(i, *c)) for i, c in enumerate(EXTREME)]
+    threads.append(threading.Thread(target=call, args=("greedy", "/generate", greedy)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for i, (_, body) in enumerate(EXTREME):
+        assert results[i].status_code == 200, (body, results[i].text)
+    assert results["greedy"].json()["generated_text"] == before
+    # Temperatures below the minimum are greedy on both route families.
+    assert results[0].json()["generated_text"] == before
+    assert results[4].json()["choices"][0]["text"] == before
 
 
 def test_32_concurrent_streaming_clients_equal_sequential(server):
@@ -303,6 +294,7 @@ def limited(ckpts):
         "server.max_body_bytes=4096",
         "server.max_seq_len=300",
         "server.shutdown_timeout=10",
+        launcher="torchrun",
     )
     s.headers = AUTH
     yield s
@@ -354,6 +346,7 @@ def test_sigterm_drains_and_every_rank_exits_0(limited):
         result["status"] = r.status_code
         result["tokens"] = r.json()["details"]["generated_tokens"] if r.status_code == 200 else 0
 
+    # SIGTERM to rank 0 alone (what torchrun does first, for every rank): a clean drain.
     pids = [limited.rank_pid(0), limited.rank_pid(1)]
     t = threading.Thread(target=in_flight)
     t.start()
@@ -371,7 +364,7 @@ def test_sigterm_drains_and_every_rank_exits_0(limited):
 
 
 def test_sigkill_of_rank_1_ends_every_process_nonzero(ckpts):
-    s = Server(ckpts["st_sharded"], "server.max_seq_len=256")
+    s = Server(ckpts["st_sharded"], "server.max_seq_len=256", launcher="torchrun")
     try:
         outcome = {}
 
@@ -401,3 +394,93 @@ def test_sigkill_of_rank_1_ends_every_process_nonzero(ckpts):
         assert "error" in outcome or not events or 'generated_text": "' not in events[-1]
     finally:
         s.stop()
+
+
+def test_mpinfer_serve_stops_cleanly_on_sigterm_and_at_once_on_a_second(ckpts):
+    """The launcher a service manager runs: SIGTERM drains an in-flight request, every rank
+    and the launcher exit 0, no traceback; a second signal during a drain ends everything at
+    once with a non-zero status."""
+    s = Server(ckpts["st_sharded"], "server.max_seq_len=300", "server.shutdown_timeout=30")
+    try:
+        result = {}
+        body = {"inputs": "a", "parameters": {"max_new_tokens": 120, "details": True}}
+        t = threading.Thread(target=lambda: result.update(
+            r=httpx.post(s.url + "/generate", json=body, timeout=60)))  # fmt: skip
+        t.start()
+        while s.metric("mpinfer_running_slots") < 1:
+            time.sleep(0.02)
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=60) == 0, s.output()[-3000:]
+        t.join(timeout=30)
+        assert result["r"].status_code == 200
+        assert result["r"].json()["details"]["generated_tokens"] == 120
+        assert "Traceback" not in s.output() and all(not p.is_running() for p in s.ranks)
+    finally:
+        s.stop()
+    s = Server(ckpts["st_sharded"], "server.max_seq_len=300", "server.shutdown_timeout=30")
+    try:
+        body = {"inputs": "a", "parameters": {"max_new_tokens": 290}}
+
+        def in_flight():
+            with contextlib.suppress(httpx.HTTPError):  # the server goes away mid-request
+                httpx.post(s.url + "/generate", json=body, timeout=60)
+
+        t = threading.Thread(target=in_flight)
+        t.start()
+        while s.metric("mpinfer_running_slots") < 1:
+            time.sleep(0.02)
+        t0 = time.time()
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        s.proc.send_signal(signal.SIGINT)
+        assert s.proc.wait(timeout=30) != 0
+        assert time.time() - t0 < 10  # not the 30 s drain
+        t.join(timeout=30)
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("launcher", ["mpinfer", "torchrun"])
+def test_no_rank_outlives_its_launcher_killed_outright(ckpts, launcher):
+    """SIGKILL of the launcher: it can forward nothing, and its ranks run in sessions of their
+    own; each rank notices its parent is gone and exits within seconds."""
+    s = Server(ckpts["st_sharded"], nproc=2, launcher=launcher)
+    try:
+        ranks = s.ranks
+        assert len(ranks) == 2
+        os.kill(s.proc.pid, signal.SIGKILL)
+        deadline = time.time() + 10
+        while (
+            any(p.is_running() and p.status() != "zombie" for p in ranks) and time.time() < deadline
+        ):
+            time.sleep(0.1)
+        assert not any(p.is_running() and p.status() != "zombie" for p in ranks)
+    finally:
+        s.stop()
+
+
+def test_mpinfer_generate_nproc_is_quiet_and_says_so(ckpts):
+    """No OMP_NUM_THREADS banner from torch, no traceback: the thread count is set and said."""
+    env = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mpinfer.cli",
+            "generate",
+            "--nproc",
+            "2",
+            "--model",
+            str(ckpts["st_sharded"]),
+            "--max-new-tokens",
+            "4",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Setting OMP_NUM_THREADS" not in proc.stderr and "Traceback" not in proc.stderr
+    assert "OMP_NUM_THREADS=" in proc.stderr

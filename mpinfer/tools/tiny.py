@@ -111,6 +111,8 @@ def bloom_config(shape: BloomShape, dtype: str) -> dict:
         "slow_but_exact": False,
         "tie_word_embeddings": True,
         "dtype": dtype,
+        # Read by mpinfer at start-up, to say that the text will be meaningless.
+        "mpinfer_random_weights": True,
     }
 
 

@@ -10,9 +10,10 @@ python3 -m mpinfer.tools.diag.access_pattern"""
 import torch
 import triton
 import triton.language as tl
-from .common import graph_us, read_chunks
 
 from mpinfer.kernels.w8a16 import w8a16_matmul
+
+from .common import graph_us, read_chunks
 
 
 @triton.jit

@@ -8,6 +8,7 @@ python3 -m mpinfer.tools.diag.grid_sync"""
 import torch
 import triton
 import triton.language as tl
+
 from .common import graph_us, read_chunks
 
 

@@ -10,6 +10,7 @@ Writes a markdown table to stdout.  python3 -m mpinfer.tools.diag.launch_floor""
 
 import torch
 import triton
+
 from .common import graph_us, read_chunks
 
 

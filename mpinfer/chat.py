@@ -1,0 +1,86 @@
+"""Chat messages to a prompt: the checkpoint's chat template, a config's, or BLOOM's default.
+
+Which template: `server.chat_template` (a Jinja file) if the config names one, else the
+`chat_template` of the checkpoint's tokenizer_config.json, else `DEFAULT_TEMPLATE`, written for
+BLOOM and BLOOMZ (which ship none): each turn on its own line as `User: ...` / `Assistant: ...`,
+a system message first as plain text, and the prompt ending in `Assistant:` for the model to
+continue. Templates render in Jinja's sandbox, as transformers renders them, with `messages`,
+`add_generation_prompt`, `bos_token`, `eos_token` and `raise_exception`; a template is checked
+at start-up by rendering a sample conversation, so a broken one stops the server before it
+serves. What is not here: the HTTP route (oai.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+DEFAULT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'system' -%}{{ message.content + '\\n\\n' }}"
+    "{%- elif message.role == 'user' -%}{{ 'User: ' + message.content + '\\n' }}"
+    "{%- else -%}{{ 'Assistant: ' + message.content + '\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}Assistant:{%- endif -%}"
+)
+SAMPLE = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "Bye"},
+]
+
+
+class ChatTemplate:
+    def __init__(self, source: str, *, origin: str, bos_token: str = "", eos_token: str = ""):
+        self.origin, self.bos, self.eos = origin, bos_token, eos_token
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])  # fmt: skip
+        env.globals["raise_exception"] = _raise
+        try:
+            self.template = env.from_string(source)
+            self.render(SAMPLE)
+        except (jinja2.TemplateError, ValueError) as e:
+            raise ValueError(f"chat template from {origin} does not render: {e}") from None
+
+    def render(self, messages: list[dict]) -> str:
+        return self.template.render(messages=messages, add_generation_prompt=True,
+                                    bos_token=self.bos, eos_token=self.eos)  # fmt: skip
+
+
+def _raise(message: str):
+    raise ValueError(message)
+
+
+def load_chat_template(model_dir: str, configured: str = "") -> ChatTemplate:
+    """The template for a model directory: `configured` (a file path), the tokenizer's, or
+    the default; a ValueError naming the file when it is missing or does not render."""
+    tok_config = {}
+    path = Path(model_dir) / "tokenizer_config.json"
+    if path.is_file():
+        try:
+            tok_config = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path} cannot be read: {e}") from None
+    tokens = {k: _token_text(tok_config.get(k)) for k in ("bos_token", "eos_token")}
+    if configured:
+        file = Path(configured)
+        if not file.is_file():
+            raise ValueError(f"server.chat_template={configured!r}: no such file")
+        return ChatTemplate(file.read_text(), origin=str(file), **tokens)
+    source = tok_config.get("chat_template")
+    if isinstance(source, list):  # named templates: the default one
+        source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+    if isinstance(source, str) and source.strip():
+        return ChatTemplate(source, origin=str(path), **tokens)
+    return ChatTemplate(DEFAULT_TEMPLATE, origin="mpinfer's default for BLOOM", **tokens)
+
+
+def _token_text(value) -> str:
+    if isinstance(value, dict):  # {"content": "</s>", ...} as tokenizers write added tokens
+        value = value.get("content")
+    return value if isinstance(value, str) else ""

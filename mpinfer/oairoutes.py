@@ -1,0 +1,248 @@
+"""The OpenAI-compatible routes: POST /v1/completions and /v1/chat/completions (plain JSON or SSE
+chunks, OpenAI's shapes: choices by index, `usage`, a final usage chunk with
+`stream_options.include_usage`, usage in every chunk with vLLM's `continuous_usage_stats`), and
+GET /v1/models. Log-probabilities: completions return OpenAI's legacy object (`tokens`,
+`token_logprobs`, `top_logprobs` as {token: logprob} holding the top k and the chosen token,
+`text_offset`), over the prompt too with `echo` (its first entry null); chat returns
+`logprobs.content` entries with `top_logprobs`. What is not here: request parsing (oai.py).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .api import ApiError, Parsed, finite, openai_error
+from .oai import NAMES, STATUS, parse_chat, parse_completions
+from .streams import State, Submission, unix_time
+
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}
+
+
+def make_router(state: State) -> APIRouter:
+    router = APIRouter()
+
+    def text_of(token_id: int) -> str:
+        return state.tokenizer.decode([token_id])
+
+    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+    def legacy_logprobs(entries, offset: int) -> dict:
+        """entries: (token id, logprob | None, top [(id, lp)] | None) -> OpenAI's object."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, lp, top in entries:
+            text = text_of(token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(finite(lp))
+            alternatives = None
+            if lp is not None:
+                alternatives = {text_of(i): finite(v) for i, v in (top or [])}
+                alternatives[text] = finite(lp)  # the chosen token is always there
+            out["top_logprobs"].append(alternatives)
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out
+
+    def chat_logprob(token_id: int, lp: float, top) -> dict:
+        text = text_of(token_id)
+        return {"token": text, "logprob": finite(lp), "bytes": list(text.encode()),
+                "top_logprobs": [{"token": text_of(i), "logprob": finite(v),
+                                  "bytes": list(text_of(i).encode())} for i, v in top]}  # fmt: skip
+
+    async def start(request: Request, parse):
+        parsed = parse(await request.body(), state)
+        names = {**NAMES, "max_new_tokens": parsed.options.get("max_key", "max_tokens")}
+        return parsed, Submission(state, parsed.jobs, status=STATUS, names=names)
+
+    def error(request: Request, e: ApiError) -> JSONResponse:
+        state.count(request.url.path, e.status)
+        return JSONResponse(openai_error(e), status_code=e.status)
+
+    # -- completions -----------------------------------------------------------------------------
+    @router.post("/v1/completions", openapi_extra={"x-mpinfer-body": "CompletionRequest"})
+    async def completions(request: Request):
+        try:
+            parsed, sub = await start(request, parse_completions)
+        except ApiError as e:
+            return error(request, e)
+        state.count(request.url.path, 200)
+        cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", unix_time()
+        if parsed.stream:
+            return StreamingResponse(stream_completions(request, sub, parsed, cid, created),
+                                     media_type="text/event-stream")  # fmt: skip
+        try:
+            done = await sub.results(request)
+        except ApiError as e:
+            return error(request, e)
+        if done is None:
+            return JSONResponse({}, status_code=499)
+        o = parsed.options
+        n, best_of, choices = o["n"], o["best_of"], []
+        for p, ids in enumerate(sub.prompt_ids[::best_of]):
+            group = done[p * best_of : (p + 1) * best_of]
+            # best_of: the n with the highest log-probability per token (as OpenAI picks).
+            group.sort(key=lambda d: -sum(d[0].logprobs) / max(len(d[0].logprobs), 1))
+            for j, (r, _) in enumerate(group[:n]):
+                prompt_text = state.tokenizer.decode(ids) if o["echo"] else ""
+                choice = {
+                    "index": p * n + j,
+                    "text": prompt_text + r.text,
+                    "logprobs": None,
+                    "finish_reason": FINISH.get(r.finish_reason, r.finish_reason),
+                }
+                if o["logprobs"] is not None:
+                    entries = []
+                    if o["echo"]:
+                        entries = list(zip(ids, r.prompt_logprobs, r.prompt_top_logprobs))
+                    entries += zip(
+                        r.token_ids, r.logprobs, r.top_logprobs or [[]] * len(r.logprobs)
+                    )
+                    choice["logprobs"] = legacy_logprobs(entries, 0)
+                choices.append(choice)
+        prompt_tokens = sum(len(ids) for ids in sub.prompt_ids[::best_of])
+        return JSONResponse({
+            "id": cid, "object": "text_completion", "created": created, "model": state.model_name,
+            "choices": choices, "system_fingerprint": None,
+            "usage": usage(prompt_tokens, sum(len(r.token_ids) for r, _ in done)),
+        })  # fmt: skip
+
+    async def stream_completions(request, sub: Submission, parsed: Parsed, cid, created):
+        o = parsed.options
+        generated, prompt_tokens = 0, sum(len(ids) for ids in sub.prompt_ids)
+
+        def chunk(index: int, text: str, finish=None, logprobs=None) -> str:
+            body = {"id": cid, "object": "text_completion", "created": created,
+                    "model": state.model_name,
+                    "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                 "finish_reason": finish}]}  # fmt: skip
+            if o["usage"]["continuous_usage_stats"]:
+                body["usage"] = usage(prompt_tokens, generated)
+            return sse(body)
+
+        try:
+            offsets = [0] * len(sub.prompt_ids)
+            if o["echo"]:
+                for i, ids in enumerate(sub.prompt_ids):
+                    text = state.tokenizer.decode(ids)
+                    yield chunk(i, text)
+                    offsets[i] = len(text)
+            async for i, ev in sub.events(request):
+                if ev.kind == "token":
+                    generated += 1
+                    lp = None
+                    if o["logprobs"] is not None:
+                        lp = legacy_logprobs([(ev.token_id, ev.logprob, ev.top)], offsets[i])
+                        offsets[i] += len(lp["tokens"][0])
+                    if ev.text or lp:
+                        yield chunk(i, ev.text, logprobs=lp)
+                else:
+                    r = ev.result
+                    yield chunk(i, ev.text, FINISH.get(r.finish_reason, r.finish_reason))
+            if o["usage"]["include_usage"]:
+                yield sse({"id": cid, "object": "text_completion", "created": created,
+                           "model": state.model_name, "choices": [],
+                           "usage": usage(prompt_tokens, generated)})  # fmt: skip
+            yield "data: [DONE]\n\n"
+        except ApiError as e:
+            yield sse(openai_error(e))
+
+    # -- chat ------------------------------------------------------------------------------------
+    @router.post("/v1/chat/completions", openapi_extra={"x-mpinfer-body": "ChatRequest"})
+    async def chat(request: Request):
+        try:
+            parsed, sub = await start(request, parse_chat)
+        except ApiError as e:
+            return error(request, e)
+        state.count(request.url.path, 200)
+        cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", unix_time()
+        if parsed.stream:
+            return StreamingResponse(stream_chat(request, sub, parsed, cid, created),
+                                     media_type="text/event-stream")  # fmt: skip
+        try:
+            done = await sub.results(request)
+        except ApiError as e:
+            return error(request, e)
+        if done is None:
+            return JSONResponse({}, status_code=499)
+        choices = []
+        for i, (r, _) in enumerate(done):
+            logprobs = None
+            if parsed.options["logprobs"]:
+                tops = r.top_logprobs or [[]] * len(r.token_ids)
+                logprobs = {"content": [chat_logprob(t, lp, top) for t, lp, top
+                                        in zip(r.token_ids, r.logprobs, tops)]}  # fmt: skip
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": r.text},
+                    "logprobs": logprobs,
+                    "finish_reason": FINISH.get(r.finish_reason, r.finish_reason),
+                }
+            )
+        return JSONResponse({
+            "id": cid, "object": "chat.completion", "created": created, "model": state.model_name,
+            "choices": choices, "system_fingerprint": None,
+            "usage": usage(len(sub.prompt_ids[0]), sum(len(r.token_ids) for r, _ in done)),
+        })  # fmt: skip
+
+    async def stream_chat(request, sub: Submission, parsed: Parsed, cid, created):
+        o = parsed.options
+        generated, prompt_tokens = 0, len(sub.prompt_ids[0])
+
+        def chunk(index: int, delta: dict, finish=None, logprobs=None) -> str:
+            body = {"id": cid, "object": "chat.completion.chunk", "created": created,
+                    "model": state.model_name, "system_fingerprint": None,
+                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                 "finish_reason": finish}]}  # fmt: skip
+            if o["usage"]["continuous_usage_stats"]:
+                body["usage"] = usage(prompt_tokens, generated)
+            return sse(body)
+
+        try:
+            for i in range(len(sub.prompt_ids)):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            async for i, ev in sub.events(request):
+                if ev.kind == "token":
+                    generated += 1
+                    lp = None
+                    if o["logprobs"]:
+                        lp = {"content": [chat_logprob(ev.token_id, ev.logprob, ev.top)]}
+                    if ev.text or lp:
+                        yield chunk(i, {"content": ev.text}, logprobs=lp)
+                else:
+                    r = ev.result
+                    delta = {"content": ev.text} if ev.text else {}
+                    yield chunk(i, delta, FINISH.get(r.finish_reason, r.finish_reason))
+            if o["usage"]["include_usage"]:
+                yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                           "model": state.model_name, "choices": [],
+                           "usage": usage(prompt_tokens, generated)})  # fmt: skip
+            yield "data: [DONE]\n\n"
+        except ApiError as e:
+            yield sse(openai_error(e))
+
+    @router.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "mpinfer",
+                    "max_model_len": state.cfg.server.max_seq_len,
+                }
+            ],
+        }
+
+    return router
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"

@@ -1,0 +1,202 @@
+"""The bridge between the HTTP routes and the engine, on rank 0: what the routes share (`State`),
+engine events carried onto the event loop (`Dispatcher`), and one HTTP request's jobs in the
+engine (`Submission`: submitted together, their events merged into one queue, cancelled
+together when the client goes away or one of them fails).
+
+The engine calls a request's sink on its own thread; the dispatcher collects those events and
+schedules one flush on the event loop per batch of them (one wake-up of the loop per engine step,
+not one per token). What is not here: the routes (routes.py, tgi.py, oai.py), request parsing
+(api.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import threading
+import time
+from collections import defaultdict
+
+from .api import ApiError, Job, check_text, rename
+from .chat import ChatTemplate
+from .config import RunConfig
+from .engine import Engine
+from .request import EngineFailed, Event, QueueFull, Result
+
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Histogram:
+    def __init__(self):
+        self.counts = [0] * (len(BUCKETS) + 1)
+        self.sum, self.n = 0.0, 0
+
+    def observe(self, v: float) -> None:
+        self.counts[next((i for i, b in enumerate(BUCKETS) if v <= b), len(BUCKETS))] += 1
+        self.sum += v
+        self.n += 1
+
+    def render(self, name: str) -> list[str]:
+        lines, total = [f"# TYPE {name} histogram"], 0
+        for b, c in zip(BUCKETS, self.counts):
+            total += c
+            lines.append(f'{name}_bucket{{le="{b}"}} {total}')
+        lines.append(f'{name}_bucket{{le="+Inf"}} {self.n}')
+        return lines + [f"{name}_sum {self.sum}", f"{name}_count {self.n}"]
+
+
+class Dispatcher:
+    """Engine events onto the event loop: the engine thread appends (queue, tag, event), and
+    the first append after a flush schedules one flush on the loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: collections.deque = collections.deque()
+        self.lock = threading.Lock()
+        self.scheduled = False
+
+    def sink(self, queue: asyncio.Queue, tag: int):
+        def put(ev: Event) -> None:
+            with self.lock:
+                self.items.append((queue, tag, ev))
+                if self.scheduled:
+                    return
+                self.scheduled = True
+            self.loop.call_soon_threadsafe(self.flush)
+
+        return put
+
+    def flush(self) -> None:
+        with self.lock:
+            items, self.items = self.items, collections.deque()
+            self.scheduled = False
+        for queue, tag, ev in items:
+            queue.put_nowait((tag, ev))
+
+
+class State:
+    """What the routes share: the engine once loaded, its status, and the metrics."""
+
+    def __init__(self, cfg: RunConfig, *, model_name: str):
+        self.cfg, self.model_name = cfg, model_name
+        self.status = "loading"  # loading | ready | stopping | failed
+        self.engine: Engine | None = None
+        self.tokenizer = None
+        self.chat: ChatTemplate | None = None
+        self.info: dict = {}
+        self.requests = defaultdict(int)  # (route, status) -> count
+        self.ttft, self.latency, self.tpot = Histogram(), Histogram(), Histogram()
+        self.cancelled = 0
+        self.lock = threading.Lock()
+        self.dispatcher: Dispatcher | None = None
+
+    def attach(self, engine: Engine, chat: ChatTemplate) -> None:
+        """The engine is built: the routes may use it."""
+        self.engine, self.tokenizer, self.chat = engine, engine.tok, chat
+        loaded = engine.loaded
+        s, g = self.cfg.server, self.cfg.generation
+        self.info = {
+            "tp_size": loaded.tp.tp_size, "quant": self.cfg.quant.method,
+            "dtype": str(loaded.dtype).removeprefix("torch."),
+            "max_batch_slots": engine.runner.slots, "cuda_graphs": engine.runner.use_graphs,
+            "max_seq_len": s.max_seq_len, "max_queue": s.max_queue,
+            "max_new_tokens_default": g.max_new_tokens,
+            "generation_defaults": dataclasses.asdict(g), "chat_template": chat.origin,
+        }  # fmt: skip
+
+    def count(self, route: str, status: int) -> None:
+        with self.lock:
+            self.requests[(route, status)] += 1
+
+    def observe(self, r: Result) -> None:
+        with self.lock:
+            if r.token_ids:
+                self.ttft.observe(r.ttft_s)
+                if len(r.token_ids) > 1:
+                    self.tpot.observe((r.latency_s - r.ttft_s) / (len(r.token_ids) - 1))
+            self.latency.observe(r.latency_s)
+
+
+class Submission:
+    """The jobs of one HTTP request, in the engine: tokenized, submitted together (or none of
+    them), events tagged with the job's index in one queue."""
+
+    def __init__(self, state: State, jobs: tuple[Job, ...], *, status: int, names: dict):
+        if state.status != "ready":
+            raise ApiError(503, f"the server is {state.status}", kind="unavailable")
+        self.state, self.queue = state, asyncio.Queue()
+        if state.dispatcher is None:
+            state.dispatcher = Dispatcher(asyncio.get_running_loop())
+        self.prompt_ids: list[list[int]] = []
+        self.reqs = []
+        self.done = [False] * len(jobs)
+        try:
+            for i, job in enumerate(jobs):
+                ids = job.prompt
+                if isinstance(ids, str):
+                    check_text(ids, names.get("prompt", "prompt"), status)
+                    ids = state.tokenizer.encode(ids, add_special_tokens=False).ids
+                    if job.truncate:
+                        ids = ids[-job.truncate :]
+                self.prompt_ids.append(list(ids))
+                sink = state.dispatcher.sink(self.queue, i)
+                self.reqs.append(state.engine.submit(ids, job.params, sink))
+        except QueueFull as e:
+            self.cancel()
+            raise ApiError(429, str(e), kind="overloaded") from None
+        except EngineFailed as e:
+            self.cancel()
+            raise ApiError(503, str(e), kind="unavailable") from None
+        except ValueError as e:  # the engine's checks: length, token ids, parameters
+            self.cancel()
+            message = rename(str(e), names)
+            raise ApiError(status, message, field=message.split(":", 1)[0]) from None
+
+    def cancel(self) -> None:
+        for req, done in zip(self.reqs, self.done):
+            if not done:
+                self.state.engine.cancel(req)
+
+    async def events(self, request):
+        """(job index, token or done Event) until every job is done; a failed job raises
+        ApiError 500; if the client goes away (or the consumer stops), the rest is cancelled."""
+        left = len(self.reqs)
+        try:
+            while left:
+                try:
+                    i, ev = await asyncio.wait_for(self.queue.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                if ev.kind == "error":
+                    self.done[i] = True
+                    raise ApiError(500, f"generation failed: {ev.error}", kind="generation")
+                if ev.kind == "done":
+                    self.done[i] = True
+                    left -= 1
+                    self.state.observe(ev.result)
+                yield i, ev
+        finally:
+            if left:
+                self.cancel()
+                with self.state.lock:
+                    self.state.cancelled += 1
+
+    async def results(self, request) -> list[tuple[Result, list[Event]]] | None:
+        """Every job's Result and token events, in job order; None if the client went away."""
+        tokens: list[list[Event]] = [[] for _ in self.reqs]
+        results: list[Result | None] = [None] * len(self.reqs)
+        async for i, ev in self.events(request):
+            if ev.kind == "token":
+                tokens[i].append(ev)
+            else:
+                results[i] = ev.result
+        if any(r is None for r in results):
+            return None
+        return list(zip(results, tokens))
+
+
+def unix_time() -> int:
+    return int(time.time())
