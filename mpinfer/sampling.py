@@ -228,8 +228,10 @@ def process_logits(
 
 def draw(processed: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Each row's token at uniform u (n,) of its distribution: the first index where the CDF
-    passes u (a token with probability 0 is never chosen)."""
-    cdf = processed.softmax(-1).cumsum(-1)
+    passes u (a token with probability 0 is never chosen). The CDF is summed in float64: in
+    float32 a 250k-token sum drifts by ~1e-5, enough to move a draw to a neighbouring token
+    between a CPU's sequential sum and a GPU's scan."""
+    cdf = processed.softmax(-1).double().cumsum(-1)
     at = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
     return torch.searchsorted(cdf, at, right=True)[:, 0].clamp(max=processed.shape[1] - 1)
 

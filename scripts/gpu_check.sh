@@ -23,9 +23,9 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
 # (at most 8 files come back from $OUT: the machine's description goes to stdout only)
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
-tests() {  # the GPU tests, within $1 seconds
+tests() {  # the GPU tests (TESTS_K: a -k selection), within $1 seconds
     timeout "$1" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
-        > "$OUT/gpu-tests.txt" 2>&1
+        ${TESTS_K:+-k "$TESTS_K"} > "$OUT/gpu-tests.txt" 2>&1
     echo "GPU tests: exit $? (124: timed out) at ${SECONDS}s"; tail -15 "$OUT/gpu-tests.txt"
 }
 bench() {  # bench gpu with the given arguments, within $1 seconds

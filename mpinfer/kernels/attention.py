@@ -70,7 +70,7 @@ def _decode_attention_kernel(
         acc = tl.where(live, v_new.to(tl.float32), 0.0)
     per_split = tl.cdiv(tl.cdiv(pos - vf, n_splits), BLOCK_L) * BLOCK_L
     lo = vf + s * per_split
-    hi = tl.where(live, tl.minimum(lo + per_split, pos), lo)
+    hi = tl.minimum(lo + per_split, pos)  # a padding row has pos = vf = 0: no tile at all
     offs = tl.arange(0, BLOCK_L)
     for start in tl.range(lo, hi, BLOCK_L):
         j = start + offs  # (BLOCK_L,) key positions

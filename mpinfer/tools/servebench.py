@@ -334,17 +334,18 @@ def engine_steps(ckpt: str, batches: list[int], context: int) -> dict:
 def transformers_generate(ckpt: str, batch: int, max_new: int) -> dict:
     transformers = require("transformers")
     model = transformers.BloomForCausalLM.from_pretrained(ckpt, dtype=torch.float16).cuda().eval()
-    tok = transformers.AutoTokenizer.from_pretrained(ckpt)
-    ids = tok(["Request about the river and the king of the city"] * batch,
-              return_tensors="pt").to("cuda")  # fmt: skip
+    prompt = load_tokenizer(ckpt).encode("Request about the river and the king of the city",
+                                         add_special_tokens=False).ids  # fmt: skip
+    ids = torch.tensor([prompt] * batch, device="cuda")
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     kw = dict(max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, pad_token_id=3)
-    model.generate(**ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+    model.generate(**inputs, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    out = model.generate(**ids, **kw)
+    out = model.generate(**inputs, **kw)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    tokens = (out.shape[1] - ids.input_ids.shape[1]) * batch
+    tokens = (out.shape[1] - ids.shape[1]) * batch
     del model
     torch.cuda.empty_cache()
     return {"batch": batch, "max_new_tokens": max_new, "tokens": tokens, "wall_s": wall,
