@@ -108,6 +108,24 @@ class StepChannel:
         return decode_step_message(self.buf.tolist())
 
 
+def group_prefills(prefills, budget: int, max_seq: int) -> list[list[int]]:
+    """The step's prompt chunks as batches of one forward each: longest first, a chunk joins a
+    batch while the batch padded to its longest chunk stays within `budget` positions and the
+    padding stays inside the cache (start + longest <= max_seq)."""
+    order = sorted(range(len(prefills)), key=lambda i: -len(prefills[i].tokens))
+    groups: list[list[int]] = []
+    for i in order:
+        p = prefills[i]
+        g = groups[-1] if groups else None
+        if g is not None:
+            T = len(prefills[g[0]].tokens)  # the batch's longest: its first
+            if (len(g) + 1) * T <= budget and p.start + T <= max_seq:
+                g.append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
 def warm_up_rows(slots: int) -> list[int]:
     """Row counts a GPU runs once at start-up: the smallest of each int8 kernel row bucket (1,
     2-16, 17-32, 33-64) and every graph bucket, up to `slots`."""
@@ -213,31 +231,39 @@ class ModelRunner:
                 out.append(logits[:n])
             else:
                 out.append(self._decode(rows, kv_len=max(step.decode_pos) + 1)[:n])
-        for i, p in enumerate(step.prefills):
-            ids = to_device([p.tokens], self.device)
-            one = to_device([p.slot, p.start], self.device)
-            zero = torch.zeros(1, dtype=torch.long, device=self.device)
-            hidden = self.model(
-                ids,
-                self.cache,
-                slots=one[:1],
-                start_pos=one[1:],
-                valid_from=zero,
-                kv_len=p.start + len(p.tokens),
-                output="hidden",
-            )[0]  # (T, h)
-            if p.logprobs >= 0:
-                targets = [*p.tokens[1:], p.next_token]
-                for at in range(0, len(p.tokens), PROMPT_LOGPROB_ROWS):
-                    logits = self.model.lm_head(hidden[at : at + PROMPT_LOGPROB_ROWS])
-                    if on_prompt_logits is not None:
-                        chunk = targets[at : at + PROMPT_LOGPROB_ROWS]
-                        on_prompt_logits(i, at, logits, to_device(chunk, self.device))
-            if p.sample:
-                out.append(self.model.lm_head(hidden[-1:]))
+        last = {}  # prefill index -> its last position's hidden state (to sample from)
+        for group in group_prefills(step.prefills, self.max_prefill_tokens, self.max_seq):
+            hidden = self._prefill([step.prefills[i] for i in group])  # (rows, T, h)
+            for row, i in enumerate(group):
+                p = step.prefills[i]
+                n = len(p.tokens)
+                if p.logprobs >= 0:
+                    targets = [*p.tokens[1:], p.next_token]
+                    for at in range(0, n, PROMPT_LOGPROB_ROWS):
+                        rows = hidden[row, at : min(n, at + PROMPT_LOGPROB_ROWS)]
+                        logits = self.model.lm_head(rows)
+                        if on_prompt_logits is not None:
+                            chunk = targets[at : at + PROMPT_LOGPROB_ROWS]
+                            on_prompt_logits(i, at, logits, to_device(chunk, self.device))
+                if p.sample:
+                    last[i] = hidden[row, n - 1]
+        if last:  # one LM head for every prompt that samples, in the step's order
+            out.append(self.model.lm_head(torch.stack([last[i] for i in sorted(last)])))
         if not out:
             return None
         return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _prefill(self, prefills: list[Prefill]) -> torch.Tensor:
+        """One eager forward over several prompt chunks, right-padded to the longest: (rows, T,
+        hidden). A padding position writes the cache past its row's chunk, where nothing reads
+        before that row's own later tokens overwrite it (group_prefills keeps it in the cache)."""
+        T = max(len(p.tokens) for p in prefills)
+        pad = self.loaded.shape.pad_token_id
+        ids = to_device([[*p.tokens, *[pad] * (T - len(p.tokens))] for p in prefills], self.device)
+        where = to_device([[p.slot for p in prefills], [p.start for p in prefills]], self.device)
+        zeros = torch.zeros(len(prefills), dtype=torch.long, device=self.device)
+        return self.model(ids, self.cache, slots=where[0], start_pos=where[1], valid_from=zeros,
+                          kv_len=max(p.start for p in prefills) + T, output="hidden")  # fmt: skip
 
     def set_next_tokens(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Rank 0, after sampling: each sampled slot's next decode input."""

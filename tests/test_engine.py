@@ -5,6 +5,7 @@ a full queue, and a fault on a worker rank. One torchrun job runs every scenario
 from __future__ import annotations
 
 import json
+import random
 import time
 
 import pytest
@@ -148,3 +149,27 @@ def test_decode_graph_buckets_and_warm_up_cover_every_batch():
         rows = warm_up_rows(slots)
         assert set(buckets) <= set(rows) and max(rows) == slots
         assert {1, 2, 17, 33} & set(range(1, slots + 1)) <= set(rows)
+
+
+def test_prompt_chunks_batch_within_the_token_budget_and_the_cache():
+    """A step's prompt chunks run as few forwards as the budget allows: longest first, each
+    batch padded to its longest chunk within max_prefill_tokens, the padding inside the cache."""
+    from mpinfer.runner import Prefill, group_prefills
+
+    def chunks(*specs):
+        return [Prefill(slot, start, tuple(range(n))) for slot, (start, n) in enumerate(specs)]
+
+    # 32 short prompts of a burst: one forward.
+    assert group_prefills(chunks(*[(0, 13)] * 32), 512, 256) == [list(range(32))]
+    # One long chunk and short ones: the long one alone, the short ones together.
+    assert group_prefills(chunks((0, 5), (0, 400), (0, 7), (0, 6)), 512, 1024) == [[1], [2, 3, 0]]
+    # Padding a late chunk (start 250) to 10 would run past max_seq = 256: its own batch.
+    assert group_prefills(chunks((0, 10), (250, 3)), 512, 256) == [[0], [1]]
+    for budget in (16, 64, 512):
+        rng = random.Random(budget)
+        ps = chunks(*[(rng.randrange(100), rng.randint(1, 16)) for _ in range(40)])
+        groups = group_prefills(ps, budget, 128)
+        assert sorted(i for g in groups for i in g) == list(range(40))
+        for g in groups:
+            T = max(len(ps[i].tokens) for i in g)
+            assert len(g) == 1 or (len(g) * T <= budget and all(ps[i].start + T <= 128 for i in g))
