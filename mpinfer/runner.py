@@ -181,10 +181,16 @@ class ModelRunner:
 
     def _warm_up(self) -> None:
         """One decode forward per row bucket of the int8 kernels (and per graph bucket) with
-        every row padding: Triton compiles and autotunes at start-up, not during the first
-        requests (or during a capture), and no cache entry is written."""
+        every row padding, and prefills of a few lengths (the few-row kernel's buckets, the
+        dequantizing path past 64 rows, the eager attention): Triton compiles and autotunes at
+        start-up, not during the first requests (or during a capture). The decodes write no
+        cache entry; the prefills write slot 0, which any request's own prefill overwrites
+        before it reads."""
         for r in warm_up_rows(self.slots):
             self._decode(r, kv_len=1)
+        pad = self.loaded.shape.pad_token_id
+        for n in sorted({min(n, self.max_seq) for n in (2, 24, 96)}):
+            self._prefill([Prefill(0, 0, (pad,) * n)])
         torch.cuda.synchronize(self.device)
 
     def _capture(self) -> None:
