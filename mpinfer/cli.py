@@ -22,7 +22,7 @@ from pathlib import Path
 from .config import add_config_args, config_from_args, load_config, parse_bytes
 from .dist import broadcast_object
 from .hostmem import HostMemoryMonitor, return_large_frees_to_os
-from .launcher import Topology, launch
+from .launcher import Topology, add_launch_args, launch
 from .memory import (
     COMMON_GPUS,
     GIB,
@@ -62,24 +62,19 @@ examples:
   mpinfer plan --config configs/bloom-176b-8x24gb.toml"""
 
 
-def add_launch_args(p: argparse.ArgumentParser) -> None:
-    """The launcher's options (read by `main` before the subcommand runs; shown in its help)."""
-    g = p.add_argument_group("starting the ranks (without torchrun)")
-    g.add_argument("--nproc", type=int, help="start N ranks on this host (tp size N)")
-    g.add_argument("--nnodes", type=int, default=1, help="hosts in the job (default 1)")
-    g.add_argument("--node-rank", type=int, default=0, help="this host's index (0: rank 0's)")
-    g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address")
-    g.add_argument("--master-port", type=int, default=0, help="node 0's port (0: a free one)")
-
-
 def split_launch_args(argv: list[str]) -> tuple[Topology | None, list[str]]:
     p = argparse.ArgumentParser(add_help=False)
     add_launch_args(p)
     known, rest = p.parse_known_args(argv)
     if known.nproc is None:
         return None, rest
-    return Topology(known.nproc, known.nnodes, known.node_rank, known.master_addr,
-                    known.master_port), rest  # fmt: skip
+    addr, port = known.master_addr, known.master_port
+    if known.rdzv_endpoint:
+        addr, _, text = known.rdzv_endpoint.rpartition(":")
+        if not addr or not text.isdigit():
+            raise ValueError(f"--rdzv-endpoint {known.rdzv_endpoint!r}: expected HOST:PORT")
+        port = int(text)
+    return Topology(known.nproc, known.nnodes, known.node_rank, addr, port), rest
 
 
 def main(argv: list[str] | None = None) -> int:

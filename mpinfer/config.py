@@ -1,9 +1,9 @@
 """Run configuration: frozen dataclasses read from TOML, with `--set section.key=value` overrides.
 
-What is here: the sections of DESIGN.md's config contract (model, quant, parallel, generation,
-server), strict parsing (an unknown key or a value of the wrong type is a `ValueError` naming the
-key), and the shared command-line options every entry point takes. What is not: the model's own
-architecture (that comes from the checkpoint's config.json, see `model.BloomShape`).
+What is here: the sections of the config (model, quant, parallel, generation, server; the
+README's table lists every key), strict parsing (an unknown key or a value of the wrong type is
+a `ValueError` naming the key), and the shared command-line options every entry point takes.
+What is not: the model's own architecture (the checkpoint's config.json: `model.BloomShape`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,7 +226,7 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
-    """The options every entry point shares (DESIGN.md section 1)."""
+    """The options every entry point shares."""
     parser.add_argument("--config", help="TOML config file (configs/*.toml)")
     parser.add_argument(
         "--set",
@@ -238,9 +239,16 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory; shortcut for --set model.path=DIR")
     parser.add_argument("--quant", choices=QUANT_METHODS, help="shortcut for --set quant.method=")
     parser.add_argument("--dtype", choices=DTYPES, help="shortcut for --set model.dtype=")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="every rank logs, at debug level (MPINFER_LOG_LEVEL=DEBUG)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
+    if getattr(args, "verbose", False):  # read by dist.setup_logging on every rank
+        os.environ["MPINFER_LOG_LEVEL"] = "DEBUG"
     overrides = list(args.overrides)
     if args.model:
         overrides.append(f"model.path={_toml_str(args.model)}")

@@ -45,10 +45,15 @@ def divide(numerator: int, denominator: int, what: str = "") -> int:
 
 
 def setup_logging(rank: int) -> None:
-    """`[rank N]` prefix set once; ranks other than 0 log warnings and errors only."""
+    """`[rank N]` prefix set once (`[node M rank N]` when the job spans several hosts); ranks
+    other than 0 log warnings and errors only."""
     level = os.environ.get("MPINFER_LOG_LEVEL", "INFO" if rank == 0 else "WARNING")
+    where = f"rank {rank}"
+    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    if local_world and local_world != os.environ.get("WORLD_SIZE", local_world):
+        where = f"node {os.environ.get('GROUP_RANK', '?')} rank {rank}"
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(message)s"))
+    handler.setFormatter(logging.Formatter(f"[{where}] %(levelname)s %(message)s"))
     log.handlers[:] = [handler]
     log.setLevel(level)
     log.propagate = False

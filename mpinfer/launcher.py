@@ -21,6 +21,7 @@ here: anything a rank does (runtime.py).
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -118,3 +119,18 @@ def launch(topo: Topology, subcommand: str, argv: list[str], *, grace_s: float =
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+def add_launch_args(p: argparse.ArgumentParser) -> None:
+    """The launcher's options (read by `main` before the subcommand runs; shown in its help)."""
+    g = p.add_argument_group("starting the ranks (without torchrun)")
+    g.add_argument("--nproc", type=int, help="start N ranks on this host (tp size N)")
+    g.add_argument("--nnodes", type=int, default=1, help="hosts in the job (default 1)")
+    g.add_argument("--node-rank", type=int, default=0, help="this host's index (0: rank 0's)")
+    g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address")
+    g.add_argument("--master-port", type=int, default=0, help="node 0's port (0: a free one)")
+    g.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="the same as --master-addr HOST --master-port PORT (torchrun's name)",
+    )

@@ -38,6 +38,7 @@ from pathlib import Path
 import httpx
 
 from .config import add_config_args, config_from_args, load_config
+from .launcher import add_launch_args
 from .runtime import default_params, run_rank, start
 from .sampling import SamplingParams
 
@@ -316,8 +317,15 @@ def run_repl(backend, defaults: SamplingParams, term: Terminal) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mpinfer repl", description="interactive generation")
+    p = argparse.ArgumentParser(
+        prog="mpinfer repl", description="interactive generation",
+        epilog="examples:\n  mpinfer repl --nproc 2 --config configs/tiny-cpu.toml\n"
+        "  mpinfer repl --url http://127.0.0.1:8080   (a running server: its generation "
+        "defaults, --set generation.* on top)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     add_config_args(p)
+    add_launch_args(p)
     p.add_argument("--url", help="attach to a running mpinfer server instead of loading a model")
     p.add_argument("--api-key", default="", help="bearer token for --url")
     p.add_argument("--history", default="~/.mpinfer_history", help="readline history file")

@@ -28,6 +28,7 @@ import uvicorn
 from .chat import load_chat_template
 from .config import RunConfig, add_config_args, config_from_args
 from .dist import DistContext, raise_everywhere
+from .launcher import add_launch_args
 from .routes import build_app
 from .runtime import run_rank, start
 from .streams import State
@@ -44,6 +45,7 @@ def parser() -> argparse.ArgumentParser:
                                 epilog=EXAMPLE,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     add_config_args(p)
+    add_launch_args(p)
     p.add_argument("--host", help="shortcut for --set server.host=")
     p.add_argument("--port", type=int, help="shortcut for --set server.port=")
     return p

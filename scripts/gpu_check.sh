@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Everything this project runs on the GPU machine, in one call (the device tool's $OUT collects
 # the results):  bash scripts/gpu_check.sh [serve|full|quick|smoke|kernels|tune]
-# Installs carried wheels (.whl: fastapi, uvicorn and their pydantic/starlette, bitsandbytes,
-# py-spy) into /tmp/site, then:
+# Installs carried wheels (.whl: fastapi, uvicorn and their pydantic/starlette/opentelemetry,
+# bitsandbytes, py-spy) into /tmp/site, then:
+#   final   the served speed, every row of `mpinfer bench gpu` with the simulated tp-8 rank and
+#           the memory planner, then the GPU tests (what the README and docs/performance.md quote)
 #   serve   the GPU tests, the served speed (`mpinfer bench serve --gpu --profile`: a random
 #           bloom-7b1 checkpoint, the real server, streaming clients, the engine's step and the
 #           transformers baseline in one run) and the decode-step benchmark's int8 rows
@@ -34,6 +36,13 @@ bench() {  # bench gpu with the given arguments, within $1 seconds
     echo "bench gpu: exit $? at ${SECONDS}s"; grep -v '^{' "$OUT/gpu.log" | tail -25
 }
 case "$mode" in
+final)  # the served speed, every decode-step row and the planner, then the GPU tests
+    timeout 170 python3 -m mpinfer.cli bench serve --gpu --profile --out "$OUT/serve-gpu.json" \
+        > "$OUT/serve.log" 2>&1
+    echo "bench serve --gpu: exit $? at ${SECONDS}s"; tail -32 "$OUT/serve.log"
+    bench "$(($(left) - ${TESTS_TIME:-170}))" --shape bloom-7b1 --simulate-tp 8 --memory \
+        --out "$OUT/gpu-h200.json"
+    tests "$(left)" ;;
 serve)
     tests "${TESTS_TIME:-170}"
     timeout "$(($(left) - ${QUICK_TIME:-110}))" python3 -m mpinfer.cli bench serve --gpu \

@@ -5,7 +5,7 @@
 #    random BLOOM of bloom-7b1's shape (fp32, quant none: no reduction-order noise in the argmax);
 # 2. loading at scale: the rank-0 path from the fp16 checkpoint and the sharded path, per tp:
 #    load time and every rank's host RAM (from the load log line);
-# 3. decode at scale with real NCCL: mpinfer.tpbench (random int8 weights made on the GPUs):
+# 3. decode at scale with real NCCL: mpinfer.tools.tpbench (random int8 weights made on the GPUs):
 #    ms/step at batch 1, 8, 32, the all-reduce latency and share, the floor, per-GPU memory;
 # 4. the server under tp: mpinfer bench serve's load test is CPU-sized; on GPUs run it with
 #    the 7b1-shaped model by hand (see README).
@@ -34,7 +34,7 @@ done
 for tp in 2 4 8; do
     [ "$tp" -le "$ngpu" ] || continue
     for shape in bloom-7b1 bloom-176b; do
-        torchrun --standalone --nproc-per-node "$tp" -m mpinfer.tpbench --shape $shape \
+        torchrun --standalone --nproc-per-node "$tp" -m mpinfer.tools.tpbench --shape $shape \
             --out "$OUT/tp$tp-$shape.json" 2>&1 | tail -1
     done
 done

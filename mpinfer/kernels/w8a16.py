@@ -40,8 +40,11 @@ import triton.language as tl
 from . import tuning
 from .tuning import COUNTERS, WORKSPACE_BYTES, sm_count
 
-# MPINFER_INT8_MAGIC=0 keeps the autotuner to the conversion through fp32 (a diagnostic switch).
-MAGIC_ENABLED = os.environ.get("MPINFER_INT8_MAGIC", "1") != "0"
+
+def magic_enabled() -> bool:
+    """MPINFER_INT8_MAGIC=0 (a diagnostic switch, docs/performance.md) keeps the autotuner to
+    the int8 conversion through fp32 (MAGIC 0) instead of the bit tricks."""
+    return os.environ.get("MPINFER_INT8_MAGIC", "1") != "0"
 
 
 def _configs() -> list[triton.Config]:
@@ -61,7 +64,7 @@ def _prune(configs, named_args, **kwargs):
     block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
     sms = sm_count(named_args["x_ptr"].device.index)
     dtype = tuning.dtype_name(named_args["x_ptr"].dtype)
-    magics = tuning.AUTOTUNE_MAGIC[dtype] if MAGIC_ENABLED else (0,)
+    magics = tuning.AUTOTUNE_MAGIC[dtype] if magic_enabled() else (0,)
     keep = []
     for c in configs:
         kw = c.kwargs
@@ -201,6 +204,11 @@ def _w8a16(
     USE_DOT: tl.constexpr, SWAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr, MAGIC: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
+    # The config's words (tuning.py has the names): USE_DOT, the tensor-core loop, else the
+    # one-row elementwise loop; SWAP, the weight tile as the dot's left operand (several rows);
+    # PREFETCH ("pf1"), the one-row loop loads the next tile before it converts this one; MAGIC
+    # ("magic0/1/2"), how int8 becomes float: 0 the conversion unit, 1 the fp16 bit trick in
+    # Triton ops, 2 the same trick in packed PTX (`_to_compute`); split_k, programs along K.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)

@@ -196,7 +196,11 @@ def run_gpu(args) -> dict:
     sims = [simulate_tp(args.simulate_tp, bw, dt) for dt in ("fp16", "bf16") if args.simulate_tp]
     memory = []
     if args.memory:
-        memory = [memory_check(*case) for case in MEMORY_CASES]
+        for case in MEMORY_CASES:
+            try:
+                memory.append(memory_check(*case))
+            except Exception as e:  # one failing case must not lose the rows measured above
+                memory.append({"case": case[0], "error": f"{type(e).__name__}: {e}"})
     for m in memory:
         print(json.dumps(m))
     return {

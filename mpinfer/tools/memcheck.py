@@ -67,6 +67,7 @@ def memory_check(label, shape_name, kind, config_path, tp_size) -> dict:
 def memory_check_table(checks: list[dict]) -> str:
     header = ["planner vs GPU", "slots x max_seq_len", "prefill", "predicted GiB", "measured GiB",
               "error", "of which outside torch's allocator"]  # fmt: skip
+    checks = [m for m in checks if "error" not in m]
     return md_table(header, [
         [m["case"], f"{m['slots']} x {m['max_seq_len']}", m["prefill_tokens"],
          f"{m['predicted_GiB']:.2f}", f"{m['measured_GiB']:.2f}", f"{m['error_pct']:+.1f} %",
