@@ -10,7 +10,7 @@ storage and the matmul, vLLM's `quant_method.apply` split:
     BnbInt8Method bitsandbytes LLM.int8() (int8 activations, fp16 outlier columns); the same
                   stored int8 + scales, so one sharded file serves both int8 methods
 
-What is not here: slicing (plan.py) and collectives (layers.py).
+What is not here: slicing (sharding.py) and collectives (layers.py).
 """
 
 from __future__ import annotations

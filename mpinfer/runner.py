@@ -195,6 +195,7 @@ class ModelRunner:
 
     def _capture(self) -> None:
         t0 = time.perf_counter()
+        torch.cuda.empty_cache()  # the warm-up's freed blocks would hide what the graphs take
         before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         for bucket in reversed(decode_buckets(self.slots)):  # largest first: the pool fits all

@@ -13,7 +13,7 @@ Flash-decoding: program (b, h, s) streams split s of the row's keys and values (
 cut into n_splits equal runs of BLOCK_L-key tiles at run time) with an online softmax in fp32,
 and a second kernel merges the splits; batch 1 with 32 heads still fills the GPU. Tiles of 32
 keys with 2 warps per program beat 64 keys with 4 by 1.3-1.5x at every batch on the H200
-(bench/results/attention-h200.md). The new token's key and value come straight
+(docs/performance.md). The new token's key and value come straight
 from qkv (no read-after-write of the cache inside a program). Two launches replace the
 view/unbind, two index_puts, the mask and bias build, SDPA and the transpose copy of the eager
 path (the reference: model.BloomAttention).

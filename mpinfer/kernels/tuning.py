@@ -41,7 +41,7 @@ AUTOTUNE_FAMILIES = [
 ]  # fmt: skip
 AUTOTUNE_SPLITS = (1, 2, 4, 8)
 # The int8 conversions the autotuner tries, per activation dtype: those that won a launch in the
-# sweep on the H200 (bench/results/kernels-h200-tune.md). fp16: packed PTX 36 of 40, by up to
+# sweep on the H200 (its table in docs/performance.md). fp16: packed PTX 36 of 40, by up to
 # 1.20x over the best of the other two, the Triton-op trick the other 4 (by up to 1.12x);
 # bf16: Triton's own conversion 36 of 40 (the tensor-core loops, by up to 1.07x), packed PTX the
 # one-row loop. Two per dtype: as many candidates as before packed PTX came.
@@ -178,6 +178,7 @@ def attention_splits(batch: int, heads: int, max_seq: int, sms: int) -> int:
     history into this many equal runs of 32-key tiles at run time: enough that batch x heads x
     splits gives every SM about 8 programs (batch 1 with 14 or 32 heads still fills the GPU),
     but no more than the cache has tiles, nor than 32, past which a short history leaves most
-    programs empty and the merge grows (bench/results/attention-h200.md). It depends only on
+    programs empty and the merge grows (the attention sweep, docs/performance.md). It depends
+    only on
     the batch and the cache length, so a captured graph stays valid."""
     return max(1, min(-(-8 * sms // (batch * heads)), -(-max_seq // 32), 32))
