@@ -55,6 +55,7 @@ def make_router(state: State) -> APIRouter:
                                   "bytes": list(text_of(i).encode())} for i, v in top]}  # fmt: skip
 
     async def start(request: Request, parse):
+        state.require_ready()
         parsed = parse(await request.body(), state)
         names = {**NAMES, "max_new_tokens": parsed.options.get("max_key", "max_tokens")}
         return parsed, Submission(state, parsed.jobs, status=STATUS, names=names)

@@ -91,6 +91,12 @@ class State:
         self.lock = threading.Lock()
         self.dispatcher: Dispatcher | None = None
 
+    def require_ready(self) -> None:
+        """A 503 while loading or stopping: before a body is parsed, since parsing needs the
+        tokenizer and the chat template that only a loaded engine brings."""
+        if self.status != "ready":
+            raise ApiError(503, f"the server is {self.status}", kind="unavailable")
+
     def attach(self, engine: Engine, chat: ChatTemplate) -> None:
         """The engine is built: the routes may use it."""
         self.engine, self.tokenizer, self.chat = engine, engine.tok, chat
@@ -123,8 +129,7 @@ class Submission:
     them), events tagged with the job's index in one queue."""
 
     def __init__(self, state: State, jobs: tuple[Job, ...], *, status: int, names: dict):
-        if state.status != "ready":
-            raise ApiError(503, f"the server is {state.status}", kind="unavailable")
+        state.require_ready()
         self.state, self.queue = state, asyncio.Queue()
         if state.dispatcher is None:
             state.dispatcher = Dispatcher(asyncio.get_running_loop())

@@ -105,6 +105,7 @@ def make_router(state: State) -> APIRouter:
 
     async def handle(request: Request, stream: bool | None):
         try:
+            state.require_ready()
             parsed = parse_tgi(await request.body(), state, stream=stream)
             sub = Submission(state, parsed.jobs, status=STATUS, names={"prompt": "inputs"})
         except ApiError as e:

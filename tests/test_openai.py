@@ -270,3 +270,26 @@ def test_chat_templates_default_checkpoint_and_configured(tmp_path):
     with pytest.raises(ValueError, match="no such file"):
         load_chat_template(str(d), str(tmp_path / "missing.jinja"))
     assert load_chat_template(str(tmp_path)).origin == "mpinfer's default for BLOOM"
+
+
+@pytest.mark.parametrize("status", ["loading", "stopping"])
+def test_generation_routes_answer_503_until_the_engine_is_attached(status):
+    """No engine, no tokenizer, no chat template: every generation route says the server is not
+    ready (a 503 a client retries), before it parses a body that would need them."""
+    from fastapi.testclient import TestClient
+
+    from mpinfer.config import load_config
+    from mpinfer.routes import build_app
+    from mpinfer.streams import State
+
+    state = State(load_config(overrides=["model.path=unused"]), model_name="m")
+    state.status = status
+    client = TestClient(build_app(state))
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    for route, body in [("/v1/chat/completions", chat), ("/v1/completions", {"prompt": "a"}),
+                        ("/generate", {"inputs": "a"}), ("/generate_stream", {"inputs": "a"}),
+                        ("/tokenize", {"prompt": "a"})]:  # fmt: skip
+        r = client.post(route, json=body)
+        assert r.status_code == 503, (route, r.text)
+        assert status in r.text or "loading" in r.text, (route, r.text)
+    assert client.get("/health").status_code == 503

@@ -83,14 +83,15 @@ def run_lm_eval(model: str, model_args: str, tasks_dir, out) -> dict:
         task = path.name.split("_", 1)[1].rsplit("_", 1)[0]
         samples[task] = [json.loads(line) for line in path.read_text().splitlines()]
     results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
-    return {"samples": samples, "results": results}
+    return {"samples": samples, "results": results, "log": proc.stderr}
 
 
 def test_lm_evaluation_harness_scores_like_its_own_hf_model(server, ckpts, tasks_dir, tmp_path):
     path = ckpts["st_sharded"]
+    # Its defaults: the tokenizer is the server's own (/tokenizer_info, /tokenize, /detokenize).
     ours = run_lm_eval("local-completions", f"base_url={server.url}/v1/completions,model=m,"
-                       f"tokenizer={path},tokenizer_backend=huggingface,num_concurrent=2,"
-                       "max_retries=1", tasks_dir, tmp_path / "ours")  # fmt: skip
+                       "num_concurrent=2,max_retries=1", tasks_dir, tmp_path / "ours")  # fmt: skip
+    assert "remote tokenizer" in ours["log"].lower()
     ref = run_lm_eval("hf", f"pretrained={path},dtype=float32", tasks_dir,
                       tmp_path / "hf")  # fmt: skip
     for task in ("mp_choice", "mp_loglik"):
