@@ -16,8 +16,9 @@ $(BIN)/mpinfer: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first: an unpinned dependency would otherwise pull a multi-GB CUDA build.
 	$(BIN)/pip install -q $(TORCH)
-	# compat: a path entry, not setuptools' import hook (which warns on every editable install)
-	$(BIN)/pip install -q -e '.[test]' --config-settings editable_mode=compat
+	# setuptools' default editable mode (its import hook); it prints a BuildBackendWarning
+	# whatever the mode, and the 'compat' mode's says it will be removed.
+	$(BIN)/pip install -q -e '.[test]'
 	# Hugging Face's text-generation client (a test client) pins huggingface_hub<1.0, which
 	# transformers 5 cannot use; it works with the newer hub, so it goes in without its pins.
 	$(BIN)/pip install -q --no-deps text-generation==0.7.0
