@@ -98,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     target, _ = COMMANDS[cmd]
     module, func = target.split(":")
-    return getattr(importlib.import_module(module), func)(rest)
+    try:
+        return getattr(importlib.import_module(module), func)(rest)
+    except BrokenPipeError:  # `mpinfer plan | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
+        return 141  # what a shell reports for a writer ended by SIGPIPE
 
 
 # -- generate ------------------------------------------------------------------------------------

@@ -99,3 +99,23 @@ def test_start_up_refuses_before_loading_when_memory_is_short(ckpts, budget):
         errors = [ln for ln in proc.stderr.splitlines() if ln.startswith(f"[rank {rank}] ERROR")]
         assert any("does not fit: needs" in ln and "has 0.00 GiB" in ln for ln in errors)
     assert "loaded in" not in proc.stderr
+
+
+def test_plan_into_a_closed_pipe_ends_quietly():
+    """`mpinfer plan | head -1`: the reader has gone; no traceback, the status a shell gives a
+    writer ended by SIGPIPE."""
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import ENV
+
+    read, write = os.pipe()
+    os.close(read)  # every write to the pipe fails, as after head has its line
+    code = "import sys; from mpinfer.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.run([sys.executable, "-c", code, "plan", "--arch",
+                           str(ROOT / "configs/arch/bloom-176b.json")], cwd=ROOT, env=ENV,
+                          stdout=write, stderr=subprocess.PIPE, text=True, timeout=60)  # fmt: skip
+    os.close(write)
+    assert proc.returncode == 141, proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
