@@ -283,17 +283,6 @@ ROWS = {
 }
 
 
-ROWS = {
-    "mpinfer-int8": "int8",
-    "mpinfer-int8-bf16": "int8@bf16",
-    "mpinfer-int8+emb8": "int8:emb8",
-    "mpinfer-fp16": "none",
-    "mpinfer-llm.int8": "llm.int8",
-    "transformers-fp16": "hf-fp16",
-    "transformers-bnb-int8": "hf-int8",
-}
-
-
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="mpinfer bench gpu", description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="bloom-7b1", choices=list(SHAPES))
