@@ -23,6 +23,7 @@ import pytest
 
 from mpinfer.dist import torchrun_command
 from mpinfer.launcher import free_port
+from mpinfer.tools.servebench import wait_ready
 from mpinfer.tools.tiny import make_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,15 +84,9 @@ class Server:
         self.log = open(ROOT / f".server-{self.port}.log", "w+")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            with contextlib.suppress(httpx.HTTPError):  # not listening yet
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    self.ranks = self.rank_processes()
-                    return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.2)
+        if wait_ready(self.url, self.proc, timeout):
+            self.ranks = self.rank_processes()
+            return
         out = self.output()
         self.stop()
         raise AssertionError("server did not become ready:\n" + out[-4000:])

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import httpx
 import tomllib
 
 from mpinfer.launcher import free_port
+from mpinfer.tools.servebench import wait_ready
 
 from .conftest import ENV, ROOT
 
@@ -39,7 +39,7 @@ def test_the_base_install_names_no_extra_as_a_dependency():
     assert any("transformers" in d for d in extras["bench"])
 
 
-def test_int8_generation_and_the_server_run_without_transformers_or_bitsandbytes(ckpts):
+def test_int8_generation_and_the_server_run_without_transformers_or_bitsandbytes(ckpts, tmp_path):
     proc = mpinfer_without_extras("generate", "--model", str(ckpts["st_sharded"]), "--greedy",
                                   "--json", "--max-new-tokens", "4", timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -47,20 +47,14 @@ def test_int8_generation_and_the_server_run_without_transformers_or_bitsandbytes
     port = free_port()
     cmd = [sys.executable, "-c", WITHOUT, "serve", "--model", str(ckpts["st_sharded"]), "--port",
            str(port)]  # fmt: skip
-    server = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    log = tmp_path / "serve.log"
+    with open(log, "w") as f:
+        server = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT)
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-    r = None
     try:
-        deadline = time.time() + 60
-        while (r is None or r.status_code == 503) and time.time() < deadline:
-            try:  # refused connections, then 503s while it loads
-                r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
-                               timeout=30)  # fmt: skip
-            except httpx.HTTPError:
-                assert server.poll() is None, server.stderr.read()[-2000:]
-            time.sleep(0.1)
-        assert r is not None and r.status_code == 200, r and r.text
+        assert wait_ready(f"http://127.0.0.1:{port}", server, 60), log.read_text()[-2000:]
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 3
     finally:
         server.terminate()

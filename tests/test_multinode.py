@@ -23,6 +23,7 @@ import torch
 
 from mpinfer.launcher import free_port
 from mpinfer.sharded import MANIFEST, rank_file, shard_checkpoint
+from mpinfer.tools.servebench import wait_ready
 
 from .conftest import ENV, ROOT
 
@@ -149,13 +150,7 @@ def test_killing_one_hosts_launcher_ends_every_rank_on_both_hosts(ckpts):
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
              for n in (0, 1)]  # fmt: skip
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{http}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
+        assert wait_ready(f"http://127.0.0.1:{http}", nodes[0], 120), "host 0 did not serve"
         r = httpx.post(f"http://127.0.0.1:{http}/generate", timeout=60,
                        json={"inputs": "river", "parameters": {"max_new_tokens": 4}})  # fmt: skip
         assert r.status_code == 200

@@ -105,6 +105,20 @@ def engine_table(result: dict) -> str:
 
 
 # -- a real server -------------------------------------------------------------------------------
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> bool:
+    """Poll `url`/health until it answers 200 (True), the launcher exits or `timeout` passes
+    (False). Refused connections and 503s are what a loading server gives."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:  # not listening yet
+            pass
+        time.sleep(0.2)
+    return False
+
+
 class ServerProcess:
     """`mpinfer serve --nproc N ...` on 127.0.0.1, ready when /health says so."""
 
@@ -127,18 +141,9 @@ class ServerProcess:
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"serve-{self.port}.log", "w+")
         self.proc = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=self.log,
                                      stderr=subprocess.STDOUT)  # fmt: skip
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError("the server did not start:\n" + self.output()[-3000:])
+        if not wait_ready(self.url, self.proc, timeout):
+            self.stop()
+            raise RuntimeError("the server did not start:\n" + self.output()[-3000:])
 
     def output(self) -> str:
         self.log.flush()
