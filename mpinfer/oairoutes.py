@@ -65,16 +65,17 @@ def make_router(state: State) -> APIRouter:
         return JSONResponse(openai_error(e), status_code=e.status)
 
     # -- completions -----------------------------------------------------------------------------
-    @router.post("/v1/completions", openapi_extra={"x-mpinfer-body": "CompletionRequest"})
-    async def completions(request: Request):
+    async def respond(request: Request, parse, prefix: str, streamer, body):
+        """Parse, submit, then stream the events with `streamer` or answer with `body` of the
+        finished results: the request path both OpenAI routes share."""
         try:
-            parsed, sub = await start(request, parse_completions)
+            parsed, sub = await start(request, parse)
         except ApiError as e:
             return error(request, e)
         state.count(request.url.path, 200)
-        cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", unix_time()
+        cid, created = f"{prefix}-{uuid.uuid4().hex[:24]}", unix_time()
         if parsed.stream:
-            return StreamingResponse(stream_completions(request, sub, parsed, cid, created),
+            return StreamingResponse(streamer(request, sub, parsed, cid, created),
                                      media_type="text/event-stream")  # fmt: skip
         try:
             done = await sub.results(request)
@@ -82,6 +83,14 @@ def make_router(state: State) -> APIRouter:
             return error(request, e)
         if done is None:
             return JSONResponse({}, status_code=499)
+        return JSONResponse(body(parsed, sub, done, cid, created))
+
+    @router.post("/v1/completions", openapi_extra={"x-mpinfer-body": "CompletionRequest"})
+    async def completions(request: Request):
+        return await respond(request, parse_completions, "cmpl", stream_completions,
+                             completion_body)  # fmt: skip
+
+    def completion_body(parsed: Parsed, sub: Submission, done, cid: str, created: int) -> dict:
         o = parsed.options
         n, best_of, choices = o["n"], o["best_of"], []
         for p, ids in enumerate(sub.prompt_ids[::best_of]):
@@ -106,11 +115,11 @@ def make_router(state: State) -> APIRouter:
                     choice["logprobs"] = legacy_logprobs(entries, 0)
                 choices.append(choice)
         prompt_tokens = sum(len(ids) for ids in sub.prompt_ids[::best_of])
-        return JSONResponse({
+        return {
             "id": cid, "object": "text_completion", "created": created, "model": state.model_name,
             "choices": choices, "system_fingerprint": None,
             "usage": usage(prompt_tokens, sum(len(r.token_ids) for r, _ in done)),
-        })  # fmt: skip
+        }  # fmt: skip
 
     async def stream_completions(request, sub: Submission, parsed: Parsed, cid, created):
         o = parsed.options
@@ -155,21 +164,9 @@ def make_router(state: State) -> APIRouter:
     # -- chat ------------------------------------------------------------------------------------
     @router.post("/v1/chat/completions", openapi_extra={"x-mpinfer-body": "ChatRequest"})
     async def chat(request: Request):
-        try:
-            parsed, sub = await start(request, parse_chat)
-        except ApiError as e:
-            return error(request, e)
-        state.count(request.url.path, 200)
-        cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", unix_time()
-        if parsed.stream:
-            return StreamingResponse(stream_chat(request, sub, parsed, cid, created),
-                                     media_type="text/event-stream")  # fmt: skip
-        try:
-            done = await sub.results(request)
-        except ApiError as e:
-            return error(request, e)
-        if done is None:
-            return JSONResponse({}, status_code=499)
+        return await respond(request, parse_chat, "chatcmpl", stream_chat, chat_body)
+
+    def chat_body(parsed: Parsed, sub: Submission, done, cid: str, created: int) -> dict:
         choices = []
         for i, (r, _) in enumerate(done):
             logprobs = None
@@ -185,11 +182,11 @@ def make_router(state: State) -> APIRouter:
                     "finish_reason": FINISH.get(r.finish_reason, r.finish_reason),
                 }
             )
-        return JSONResponse({
+        return {
             "id": cid, "object": "chat.completion", "created": created, "model": state.model_name,
             "choices": choices, "system_fingerprint": None,
             "usage": usage(len(sub.prompt_ids[0]), sum(len(r.token_ids) for r, _ in done)),
-        })  # fmt: skip
+        }  # fmt: skip
 
     async def stream_chat(request, sub: Submission, parsed: Parsed, cid, created):
         o = parsed.options

@@ -103,13 +103,18 @@ def build_app(state: State) -> FastAPI:
                 "eos_token_id": shape.eos_token_id, "model_max_length": cfg.max_seq_len,
                 "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
 
+    async def tokenizer_request(request: Request, fields: set[str]) -> Fields:
+        """The body of a tokenizer route, once the tokenizer is loaded (a 503 before)."""
+        if state.tokenizer is None:
+            raise ApiError(503, "the model is loading", kind="unavailable")
+        f = Fields(read_json(await request.body(), 400), 400)
+        f.reject_unknown(fields)
+        return f
+
     @app.post("/tokenize", openapi_extra={"x-mpinfer-body": "TokenizeRequest"})
     async def tokenize(request: Request):
         try:
-            if state.tokenizer is None:
-                raise ApiError(503, "the model is loading", kind="unavailable")
-            f = Fields(read_json(await request.body(), 400), 400)
-            f.reject_unknown({"prompt", "model", "add_special_tokens"})
+            f = await tokenizer_request(request, {"prompt", "model", "add_special_tokens"})
             text = f.get("prompt", "str", "")
             ids = state.tokenizer.encode(text, add_special_tokens=False).ids
             return {"tokens": ids, "count": len(ids), "max_model_len": cfg.max_seq_len}
@@ -119,10 +124,7 @@ def build_app(state: State) -> FastAPI:
     @app.post("/detokenize", openapi_extra={"x-mpinfer-body": "DetokenizeRequest"})
     async def detokenize(request: Request):
         try:
-            if state.tokenizer is None:
-                raise ApiError(503, "the model is loading", kind="unavailable")
-            f = Fields(read_json(await request.body(), 400), 400)
-            f.reject_unknown({"tokens", "model"})
+            f = await tokenizer_request(request, {"tokens", "model"})
             ids = f.get("tokens", "list", [])
             vocab = state.engine.loaded.shape.vocab_size
             if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
