@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -110,11 +111,9 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> bool:
     (False). Refused connections and 503s are what a loading server gives."""
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
-        try:
+        with contextlib.suppress(httpx.HTTPError):  # not listening yet
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return True
-        except httpx.HTTPError:  # not listening yet
-            pass
         time.sleep(0.2)
     return False
 
