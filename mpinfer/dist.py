@@ -9,12 +9,15 @@ the process is a world of one. What is not here: any model code.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import logging
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -75,9 +78,9 @@ def init_distributed(*, timeout_s: float = 600.0, device: str = "auto") -> DistC
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ:
             backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
-            dist.init_process_group(
-                backend, rank=rank, world_size=world_size, timeout=timeout, device_id=None
-            )
+            store = private_store(rank, world_size, timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timeout, device_id=None)  # fmt: skip
         else:
             # A world of one: an in-memory store, no port to pick.
             dist.init_process_group(
@@ -86,6 +89,58 @@ def init_distributed(*, timeout_s: float = 600.0, device: str = "auto") -> DistC
     compute = dist.new_group(backend="nccl" if use_cuda else "gloo", timeout=timeout)
     weights = dist.new_group(backend="gloo", timeout=timeout)
     return DistContext(rank, world_size, local_rank, dev, compute, weights)
+
+
+def is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def loopback_interface() -> str | None:
+    """The name of the interface that carries 127.0.0.1 (lo on Linux, lo0 on macOS)."""
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs):
+            return name
+    return None
+
+
+def private_store(rank: int, world_size: int, timeout: datetime.timedelta):
+    """The rendezvous store, listening on MASTER_ADDR alone, never on every interface.
+
+    torch's TCPStore binds its server to all interfaces (`*:port`) whatever address the ranks
+    dial, so anyone who reaches the host could write keys into it or disturb the job. Rank 0
+    binds the listening socket itself, to MASTER_ADDR (127.0.0.1 for one host, the address the
+    user names for several), and hands it to the store. Under torchrun's agent store
+    (TORCHELASTIC_USE_AGENT_STORE) the agent owns the store, and the ranks only dial it. For one
+    host gloo and NCCL's bootstrap are also kept on the loopback interface (unless
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise)."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if is_loopback(addr) and (lo := loopback_interface()):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return dist.TCPStore(addr, port, world_size, False, timeout=timeout)
+    if rank != 0:
+        return dist.TCPStore(addr, port, world_size, False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((addr, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"the rendezvous port {addr}:{port} cannot be bound: {e.strerror}") from e
+    sock.listen(128)
+    try:
+        store = dist.TCPStore(addr, port, world_size, True, timeout=timeout,
+                              master_listen_fd=sock.fileno())  # fmt: skip
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now
+    return store
 
 
 def teardown() -> None:

@@ -259,6 +259,19 @@ def test_32_concurrent_streaming_clients_equal_sequential(server):
         assert results[p] == (sequential[p], sequential[p])
 
 
+def test_no_rank_listens_beyond_loopback(server):
+    """A one-host job binds nothing but 127.0.0.1: the rendezvous store (torch's own binds every
+    interface), gloo's pairs and HTTP; anyone else on the network reaches no port of it."""
+    import ipaddress
+
+    import psutil
+
+    listening = [(p.pid, c.laddr) for p in [psutil.Process(server.proc.pid), *server.ranks]
+                 for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]  # fmt: skip
+    assert len(listening) >= 3  # HTTP, the store, gloo at least
+    assert all(ipaddress.ip_address(a.ip).is_loopback for _, a in listening), listening
+
+
 def test_client_disconnect_mid_stream_frees_its_slot(server):
     cancelled = server.metric("mpinfer_cancelled_requests_total")
     with httpx.stream(
