@@ -81,8 +81,13 @@ class ServerConfig:
     # under torchrun's own 30 s grace period.
     shutdown_timeout: float = 20.0
     max_body_bytes: int = 1 << 20
-    # Prompt tokens prefilled per engine step, so long prompts do not stall running decodes.
+    # Prompt tokens per engine step (they run in the same forward as the step's decode rows),
+    # so a long prompt does not stall running decodes: docs/performance.md has the sweep.
     max_prefill_tokens: int = 512
+    # Steps a prompt may wait while decodes run, for more prompt tokens to join its step (fewer,
+    # fuller mixed steps): 0 never waits. On the H200 mix, 4 with a 256 budget cut the
+    # inter-token p99 (27 -> 22 ms) but cost TTFT and throughput (docs/performance.md).
+    prefill_hold_steps: int = 0
     # Capture the decode step in CUDA graphs (one per batch-size bucket) on GPUs.
     cuda_graphs: bool = True
     # A Jinja chat template file for /v1/chat/completions; "" = the tokenizer's, else BLOOM's
@@ -135,6 +140,8 @@ class RunConfig:
                     "max_prefill_tokens"):  # fmt: skip
             if getattr(s, key) <= 0:
                 raise ValueError(f"server.{key}={getattr(s, key)} must be > 0")
+        if s.prefill_hold_steps < 0:
+            raise ValueError(f"server.prefill_hold_steps={s.prefill_hold_steps} must be >= 0")
         return self
 
 

@@ -37,6 +37,7 @@ import torch
 from .detok import TextStream
 from .dist import DistContext
 from .request import EngineFailed, Event, QueueFull, Request, Result
+from .memory import decode_buckets
 from .runner import IDLE, STEP, STOP, ModelRunner, Prefill, Step
 from .sampling import MAX_TOP_N, Row, Sampler, SamplingParams, prompt_token_logprobs
 
@@ -81,7 +82,7 @@ class InFlight:
 class Engine:
     def __init__(
         self, runner: ModelRunner, ctx: DistContext, tokenizer, *, max_queue: int = 128,
-        max_prefill_tokens: int = 512, heartbeat_s: float = 1.0,
+        max_prefill_tokens: int = 512, heartbeat_s: float = 1.0, prefill_hold_steps: int = 0,
     ):  # fmt: skip
         assert ctx.is_rank0
         self.runner, self.ctx, self.tok = runner, ctx, tokenizer
@@ -91,6 +92,7 @@ class Engine:
         self.max_seq, self.max_queue = runner.max_seq, max_queue
         assert max_prefill_tokens <= runner.max_prefill_tokens, "the step channel is too small"
         self.max_prefill_tokens, self.heartbeat_s = max_prefill_tokens, heartbeat_s
+        self.prefill_hold_steps, self.held = prefill_hold_steps, 0
         self.channel = runner.channel
         self.sampler = Sampler(slots=runner.slots, vocab_size=self.vocab_size,
                                eos_token_id=self.eos, device=runner.device)  # fmt: skip
@@ -166,8 +168,30 @@ class Engine:
         return len(self.running)
 
     # -- rank 0's engine thread ------------------------------------------------------------------
-    def run(self, *, until_idle: bool = False) -> None:
-        """Serve until stop() (or, with until_idle, until nothing is queued or running)."""
+    def warm_up(self) -> None:
+        """On a GPU, before the server says ready: a few requests of every decode batch size,
+        greedy and sampled (penalties, top-k/top-p, alternatives), through the whole step, so the
+        sampler's and the host's first-time costs (CUDA modules loaded on first launch, pinned
+        buffers) are paid here and not by the first clients. The other ranks run the steps."""
+        if self.runner.device.type != "cuda":
+            return
+        t0 = time.perf_counter()
+        pad = self.loaded.shape.pad_token_id
+        kinds = [SamplingParams(max_new_tokens=2, ignore_eos=True),
+                 SamplingParams(max_new_tokens=2, ignore_eos=True, do_sample=True,
+                                temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1,
+                                top_n=2)]  # fmt: skip
+        for n in decode_buckets(self.runner.slots):
+            for i in range(n):
+                self.submit([pad] * 3, kinds[i % 2], lambda ev: None)
+            self.run(until_idle=True, stop_ranks=False)
+        self.steps = self.generated_tokens = 0
+        log.info("engine warm-up (sampler and step, up to %d rows) in %.1f s",
+                 self.runner.slots, time.perf_counter() - t0)  # fmt: skip
+
+    def run(self, *, until_idle: bool = False, stop_ranks: bool = True) -> None:
+        """Serve until stop() (or, with until_idle, until nothing is queued or running); then
+        the other ranks' loops end (unless stop_ranks is false)."""
         inflight: InFlight | None = None
         try:
             while True:
@@ -188,7 +212,8 @@ class Engine:
         except BaseException as e:
             self._fail(f"{type(e).__name__}: {e}")
             raise
-        self.channel.send(Step(STOP))
+        if stop_ranks:
+            self.channel.send(Step(STOP))
 
     def _fail(self, error: str) -> None:
         with self.cond:
@@ -275,8 +300,17 @@ class Engine:
             s.pos += 1
             s.scheduled += 1
         prefills, budget = [], self.max_prefill_tokens
+        # While rows decode, a prompt that would fill little of the budget may wait a few steps
+        # for more to join it: each mixed step costs a pass at prefill speed, so fewer, fuller
+        # ones serve the same prompts sooner overall (never when nothing decodes).
+        waiting = sum(len(s.prompt_left) for s in seqs if not s.done)
+        if decode and waiting < budget and self.held < self.prefill_hold_steps:
+            self.held += 1
+            budget = 0
+        elif waiting:
+            self.held = 0
         for s in seqs:
-            if s.done or not s.prompt_left or (budget <= 0 and prefills):
+            if s.done or not s.prompt_left or budget <= 0:
                 continue
             chunk = s.prompt_left[: max(budget, 1)]
             last = len(chunk) == len(s.prompt_left)

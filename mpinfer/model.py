@@ -1,18 +1,19 @@
-"""BLOOM, tensor-parallel and int8-native, with a static KV cache: the model layer.
+"""BLOOM, tensor-parallel and int8-native, with a KV cache in blocks: the model layer.
 
 What is here: `BloomShape` (the architecture numbers of a config.json), `BloomModel` (attribute
 names copy the HF checkpoint, `h.3.self_attention.query_key_value.weight`, so a state dict maps
-one to one; built on the meta device, the loader assigns real tensors), `KVCache`, and
+one to one; built on the meta device, the loader assigns real tensors), and
 `LoadedModel` (a model with its place in the tensor-parallel group, what loading hands to the
 engine). What is not: loading (loader.py), the split of each tensor across ranks (sharding.py),
 the CUDA graphs of the decode step (runner.py), sampling (sampling.py).
 
-One forward serves prefill and decode for any set of cache slots: row b writes its T new tokens
-at cache positions [start_pos[b], start_pos[b] + T) of slot slots[b] and attends to positions
-[valid_from[b], start_pos[b] + t]; positions before valid_from[b] are left padding. `slots` may
-be a slice (a contiguous run of slots), which reads the cache through views. On a GPU the
-one-token step runs the fused kernels (kernels/), which skip rows whose slot is -1: the padding
-rows of a captured batch-size bucket write nowhere.
+Two layouts of a batch, one set of weights and blocks (the cache and the flat batch: attention.py):
+- `forward_flat`: the engine's step, every token of every decode row and prompt chunk in one
+  dimension (N, hidden): one pass over the weights, whatever the mix.
+- `forward`: a padded batch (B, T): row b writes its T new tokens at positions [start_pos[b],
+  start_pos[b] + T) of cache row slots[b] and attends to [valid_from[b], start_pos[b] + t];
+  positions before valid_from[b] are left padding (tests and tools). On a GPU a one-token step
+  runs the fused decode kernel, which skips rows whose slot is -1.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import FlatBatch, KVCache, alibi_bias, attend_kernels, attend_reference
+from .attention import read_kv, write_kv
 from .dist import divide
 from .layers import (
     ColumnParallelLinear,
@@ -130,34 +133,6 @@ def layer_norm(ln: nn.LayerNorm, x: torch.Tensor, use_kernel: bool) -> torch.Ten
     return ln(x)
 
 
-@dataclass
-class KVCache:
-    """Per layer K and V, each (slots, heads_per_rank, max_seq, head_dim)."""
-
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-
-    @classmethod
-    def allocate(cls, shape: BloomShape, tp_size: int, *, slots: int, max_seq: int, dtype, device):
-        heads = shape.n_head // tp_size
-        dims = (slots, heads, max_seq, shape.head_dim)
-        k = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.n_layer)]
-        v = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.n_layer)]
-        return cls(k, v)
-
-    @property
-    def slots(self) -> int:
-        return self.k[0].shape[0]
-
-    @property
-    def max_seq(self) -> int:
-        return self.k[0].shape[2]
-
-    @staticmethod
-    def bytes_per_token(shape: BloomShape, tp_size: int, dtype: torch.dtype) -> int:
-        return 2 * shape.n_layer * (shape.hidden_size // tp_size) * dtype.itemsize
-
-
 class BloomAttention(nn.Module):
     def __init__(self, shape: BloomShape, tp: TPGroup, method: LinearMethod, dtype):
         super().__init__()
@@ -167,34 +142,36 @@ class BloomAttention(nn.Module):
         self.query_key_value = ColumnParallelLinear(h, 3 * h, tp=tp, method=method, dtype=dtype)
         self.dense = RowParallelLinear(h, h, tp=tp, method=method, dtype=dtype)
 
-    def forward(self, x, bias, k_cache, v_cache, slots, positions, kv_len, fused, residual):
+    def forward(self, x, bias, k_cache, v_cache, tables, slots, positions, kv_len, fused,
+                residual):  # fmt: skip
+        """The padded batch: x (B, T, hidden), row b in cache row slots[b]."""
         B, T, _ = x.shape
         qkv = self.query_key_value(x)  # (B, T, heads_per_rank * 3 * head_dim)
         if fused is not None:  # one query token per row, on the GPU: one kernel (kernels/)
             from .kernels.attention import decode_attention
 
-            slot_ids, start_pos, valid_from, slopes = fused
-            out = decode_attention(qkv[:, 0], k_cache, v_cache, slot_ids, start_pos, valid_from,
-                                   slopes)  # fmt: skip
+            start_pos, valid_from, slopes = fused
+            out = decode_attention(qkv[:, 0], k_cache, v_cache, slots, start_pos, valid_from,
+                                   slopes, tables)  # fmt: skip
             return self.dense(out[:, None], residual=residual)  # (B, 1, hidden)
         qkv = qkv.view(B, T, self.num_heads_per_rank, 3, self.head_dim)
         q, k, v = qkv.unbind(dim=3)  # each (B, T, heads_per_rank, head_dim)
-        if isinstance(slots, slice):
-            # A contiguous run of slots: views, no gather (the static-batch and CUDA-graph path).
-            k_cache, v_cache = k_cache[slots], v_cache[slots]
-            rows = torch.arange(B, device=x.device)[:, None]
-        else:
-            rows = slots[:, None]
-        # Advanced indices around a slice: the indexed view is (B, T, heads_per_rank, head_dim).
-        k_cache[rows, :, positions] = k
-        v_cache[rows, :, positions] = v
-        if isinstance(slots, slice):
-            keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
-        else:
-            keys, values = k_cache[slots, :, :kv_len], v_cache[slots, :, :kv_len]
-        # keys, values: (B, heads_per_rank, L, head_dim)
+        rows = slots[:, None].expand(B, T)
+        write_kv(k_cache, tables, rows, positions, k)
+        write_kv(v_cache, tables, rows, positions, v)
+        keys = read_kv(k_cache, tables, slots, kv_len)  # (B, heads_per_rank, L, head_dim)
+        values = read_kv(v_cache, tables, slots, kv_len)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=bias)
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, heads_per_rank * head_dim)
+        return self.dense(out, residual=residual)
+
+    def forward_flat(self, x, k_cache, v_cache, tables, batch: FlatBatch, slopes, use_kernels,
+                     residual):  # fmt: skip
+        """The flat batch: x (N, hidden), every token of the step (attention.py)."""
+        qkv = self.query_key_value(x)  # (N, heads_per_rank * 3 * head_dim)
+        attend = attend_kernels if use_kernels else attend_reference
+        out = attend(qkv, k_cache, v_cache, tables, batch, slopes, self.num_heads_per_rank,
+                     self.head_dim)  # (N, heads_per_rank * head_dim)  # fmt: skip
         return self.dense(out, residual=residual)
 
 
@@ -219,13 +196,13 @@ class BloomBlock(nn.Module):
         self.post_attention_layernorm = nn.LayerNorm(h, eps=eps, dtype=dtype)
         self.mlp = BloomMLP(shape, tp, method, dtype)
 
-    def forward(self, x, bias, k_cache, v_cache, slots, positions, kv_len, fused=None):
-        ln = layer_norm(self.input_layernorm, x, fused is not None)
+    def forward(self, x, attend, use_kernels: bool):
+        """`attend(ln, residual)` is the attention of the batch's layout (padded or flat)."""
+        ln = layer_norm(self.input_layernorm, x, use_kernels)
         residual = ln if self.post_ln_residual else x
         # The residual adds ride in the output projections' epilogues (layers.py).
-        x = self.self_attention(ln, bias, k_cache, v_cache, slots, positions, kv_len, fused,
-                                residual)  # fmt: skip
-        ln = layer_norm(self.post_attention_layernorm, x, fused is not None)
+        x = attend(ln, residual)
+        ln = layer_norm(self.post_attention_layernorm, x, use_kernels)
         residual = ln if self.post_ln_residual else x
         return self.mlp(ln, residual)
 
@@ -260,15 +237,6 @@ class BloomModel(nn.Module):
         start = self.tp.tp_rank * heads
         self.slopes = alibi_slopes(self.shape.n_head)[start : start + heads].to(device)
 
-    def attention_bias(self, positions, valid_from, kv_len):
-        """ALiBi + mask, (B, heads_per_rank, T, L): slope * (key position - valid_from)."""
-        key_pos = torch.arange(kv_len, device=positions.device)  # (L,)
-        valid = (key_pos >= valid_from[:, None, None]) & (key_pos <= positions[:, :, None])
-        distance = (key_pos[None, :] - valid_from[:, None]).to(self.dtype)  # (B, L)
-        bias = self.slopes.to(self.dtype)[None, :, None, None] * distance[:, None, None, :]
-        bias = bias.expand(-1, -1, positions.shape[1], -1)
-        return bias.masked_fill(~valid[:, None], torch.finfo(self.dtype).min)
-
     @torch.inference_mode()
     def forward(
         self,
@@ -284,24 +252,48 @@ class BloomModel(nn.Module):
         """input_ids (B, T) -> output "last": logits (B, vocab) of the last token; "all":
         logits (B, T, vocab); "hidden": the final hidden states (B, T, hidden), which
         `lm_head` turns into logits (a long prompt's, a few positions at a time)."""
-        T = input_ids.shape[1]
+        B, T = input_ids.shape
+        if isinstance(slots, slice):
+            slots = torch.arange(slots.start or 0, slots.stop, device=input_ids.device)
         positions = start_pos[:, None] + torch.arange(T, device=input_ids.device)  # (B, T)
         fused, bias = None, None
         if T == 1 and input_ids.is_cuda and self.use_kernels:
-            slot_ids = slots
-            if isinstance(slots, slice):
-                slot_ids = torch.arange(slots.start or 0, slots.stop, device=input_ids.device)
-            fused = (slot_ids, start_pos, valid_from, self.slopes)
+            fused = (start_pos, valid_from, self.slopes)
         else:
-            bias = self.attention_bias(positions, valid_from, kv_len)
+            bias = alibi_bias(self.slopes, positions, valid_from, kv_len, self.dtype)
+        use = fused is not None
         x = self.word_embeddings(input_ids)  # (B, T, hidden)
-        x = layer_norm(self.word_embeddings_layernorm, x, fused is not None)
+        x = layer_norm(self.word_embeddings_layernorm, x, use)
         for i, block in enumerate(self.h):
-            x = block(x, bias, cache.k[i], cache.v[i], slots, positions, kv_len, fused)
+            attn = block.self_attention
+
+            def attend(ln, residual, i=i, attn=attn):
+                return attn(ln, bias, cache.k[i], cache.v[i], cache.tables, slots, positions,
+                            kv_len, fused, residual)  # fmt: skip
+
+            x = block(x, attend, use)
         if output == "last":
             x = x[:, -1]
-        x = layer_norm(self.ln_f, x, fused is not None)
+        x = layer_norm(self.ln_f, x, use)
         return x if output == "hidden" else self.lm_head(x)
+
+    @torch.inference_mode()
+    def forward_flat(self, input_ids: torch.Tensor, cache: KVCache, batch: FlatBatch
+                     ) -> torch.Tensor:  # fmt: skip
+        """input_ids (N,), one engine step's tokens -> the final hidden states (N, hidden),
+        after ln_f; `lm_head` turns the rows that sample into logits."""
+        use = input_ids.is_cuda and self.use_kernels
+        x = self.word_embeddings(input_ids)  # (N, hidden)
+        x = layer_norm(self.word_embeddings_layernorm, x, use)
+        for i, block in enumerate(self.h):
+            attn = block.self_attention
+
+            def attend(ln, residual, i=i, attn=attn):
+                return attn.forward_flat(ln, cache.k[i], cache.v[i], cache.tables, batch,
+                                         self.slopes, use, residual)  # fmt: skip
+
+            x = block(x, attend, use)
+        return layer_norm(self.ln_f, x, use)
 
 
 @dataclass

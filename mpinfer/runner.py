@@ -1,21 +1,25 @@
-"""The model runner, on every rank: the KV cache, the captured decode graphs, and the forwards of
-one engine step. Rank 0's engine plans a `Step`; every rank runs it here, in the same order, so
-the collectives inside the forwards pair up.
+"""The model runner, on every rank: the KV cache, the captured step graphs, and the one forward
+of each engine step. Rank 0's engine plans a `Step`; every rank runs it here, in the same order,
+so the collectives inside the forward pair up.
 
-    Step: decode rows (slot, position) + prefill chunks (slot, start, tokens)
-    decode: each slot's input is the token its last step sampled, kept on the device in
-            `next_tokens` (rank 0 writes it after sampling, `share_next_tokens` copies it to
-            the other ranks), so the host never waits for a token before the next step
-    prefill: eager, one chunk per forward; a prompt's last chunk gives the logits its first
-            token is sampled from, and a chunk of a prompt that asked for log-probabilities
-            gives every position's logits, `PROMPT_LOGPROB_ROWS` positions at a time
+    Step: decode rows (slot, position) + prompt chunks (slot, start, tokens)
+    one forward: the decode rows and every chunk's tokens in one flat batch (attention.py), so a
+            step reads the weights once whatever it carries; a decode row's input is the token
+            its last step sampled, kept on the device in `next_tokens` (rank 0 writes it after
+            sampling, `share_next_tokens` copies it to the other ranks), so the host never waits
+            for a token before the next step
+    results: the logits of the rows that sample (decode rows, a prompt's last chunk), and for a
+            prompt that asked for log-probabilities every position's logits,
+            `PROMPT_LOGPROB_ROWS` positions at a time, from the step's final hidden states
 
-On a GPU the decode step is captured in a CUDA graph per batch-size bucket (1, 2, 4, ... up to
-the slots, `memory.decode_buckets`) once the cache exists; a step with n rows replays the
-smallest bucket >= n, its other rows marked slot -1, which the kernels skip (they write no cache
-and read none). All bucket graphs share one memory pool: they never run at the same time.
-With a method that cannot be captured (bitsandbytes) or `server.cuda_graphs = false` the same
-bucketed step runs eagerly; on a CPU decode runs eagerly over exactly its rows.
+On a GPU every step runs a token-count bucket (`step_buckets`: 1, 2, 4, ... up to the slots,
+then powers of two up to the slots plus the prompt budget) captured as a CUDA graph at start-up;
+a step of n tokens replays the smallest bucket >= n, its other tokens marked row -1, which the
+kernels skip (they write no cache and read none). Warm-up runs every bucket once before the
+capture, so every kernel is compiled before the server says ready. All graphs share one memory
+pool: they never run at the same time. With a method that cannot be captured (bitsandbytes) or
+`server.cuda_graphs = false` the same bucketed step runs eagerly; on a CPU the step runs eagerly
+over exactly its tokens, with the reference attention.
 
 Steps travel from rank 0 as one fixed-size int64 tensor over the gloo group (`StepChannel`):
 no pickling on the step's path. What is not here: what to run next (engine.py), sampling
@@ -32,10 +36,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .attention import FlatBatch, KVCache
 from .dist import DistContext
-from .kernels.tuning import ROW_BUCKETS
+from .kernels.tuning import CHUNK_TILE
 from .memory import PROMPT_LOGPROB_ROWS, decode_buckets
-from .model import KVCache, LoadedModel, to_device
+from .model import LoadedModel, to_device
 
 log = logging.getLogger("mpinfer")
 
@@ -108,29 +113,102 @@ class StepChannel:
         return decode_step_message(self.buf.tolist())
 
 
-def group_prefills(prefills, budget: int, max_seq: int) -> list[list[int]]:
-    """The step's prompt chunks as batches of one forward each: longest first, a chunk joins a
-    batch while the batch padded to its longest chunk stays within `budget` positions and the
-    padding stays inside the cache (start + longest <= max_seq)."""
-    order = sorted(range(len(prefills)), key=lambda i: -len(prefills[i].tokens))
-    groups: list[list[int]] = []
-    for i in order:
-        p = prefills[i]
-        g = groups[-1] if groups else None
-        if g is not None:
-            T = len(prefills[g[0]].tokens)  # the batch's longest: its first
-            if (len(g) + 1) * T <= budget and p.start + T <= max_seq:
-                g.append(i)
-                continue
-        groups.append([i])
-    return groups
+def step_buckets(slots: int, max_prefill_tokens: int) -> list[int]:
+    """Token counts with a captured step graph: the decode buckets (powers of two up to the
+    slots, and the slots), then powers of two up to one step's most tokens (every slot decoding
+    beside a full prompt budget), and that most."""
+    most = slots + max_prefill_tokens
+    out = decode_buckets(slots)
+    b = 1 << out[-1].bit_length()
+    while b < most:
+        out.append(b)
+        b *= 2
+    return out + ([most] if out[-1] < most else [])
 
 
-def warm_up_rows(slots: int) -> list[int]:
-    """Row counts a GPU runs once at start-up: the smallest of each int8 kernel row bucket (1,
-    2-16, 17-32, 33-64) and every graph bucket, up to `slots`."""
-    rows = {1, *(b + 1 for b in ROW_BUCKETS[:-1]), *decode_buckets(slots)}
-    return sorted(r for r in rows if r <= slots)
+@dataclass(frozen=True)
+class Layout:
+    """Where a step's tokens go in the flat batch (attention.py): `tokens` decode rows first,
+    then each prefill's chunk; `segments` (cache row, first token, count, first position) of
+    each decode row and prefill; `sample` the tokens whose logits are sampled, in the order
+    `execute` returns them (decode rows, then each sampling prefill's last token)."""
+
+    ids: list[int]  # the input token, -1 where it is the row's last sampled token (next_tokens)
+    seq: list[int]
+    pos: list[int]
+    decode: int
+    prefill_at: list[int]  # each prefill's first token
+    sample: list[int]
+
+    @classmethod
+    def of(cls, step: Step) -> Layout:
+        D = len(step.decode_slots)
+        ids, seq, pos = [-1] * D, list(step.decode_slots), list(step.decode_pos)
+        prefill_at, sample = [], list(range(D))
+        for p in step.prefills:
+            prefill_at.append(len(ids))
+            ids += p.tokens
+            seq += [p.slot] * len(p.tokens)
+            pos += range(p.start, p.start + len(p.tokens))
+            if p.sample:
+                sample.append(len(ids) - 1)
+        return cls(ids, seq, pos, D, prefill_at, sample)
+
+    def segments(self, step: Step) -> list[tuple[int, int, int, int]]:
+        rows = [(s, i, 1, p) for i, (s, p) in enumerate(zip(step.decode_slots, step.decode_pos))]
+        return rows + [(p.slot, at, len(p.tokens), p.start)
+                       for p, at in zip(step.prefills, self.prefill_at)]  # fmt: skip
+
+    def tiles(self, step: Step) -> list[tuple[int, int, int, int]]:
+        """The prompt chunks cut into query tiles of CHUNK_TILE tokens."""
+        out = []
+        for p, at in zip(step.prefills, self.prefill_at):
+            for o in range(0, len(p.tokens), CHUNK_TILE):
+                out.append((p.slot, at + o, min(CHUNK_TILE, len(p.tokens) - o), p.start + o))
+        return out
+
+
+@dataclass
+class StepInputs:
+    """A bucket's device inputs, one int64 buffer a step is copied into (a captured graph reads
+    them from these addresses): [ids, from_next, seq, pos] (N each), dec_seq, dec_pos (D each),
+    sample (S), tiles (4, T)."""
+
+    buf: torch.Tensor
+    n: int
+    d: int
+    s: int
+    t: int
+
+    @classmethod
+    def allocate(cls, n: int, slots: int, device) -> StepInputs:
+        d = s = min(n, slots)
+        t = -(-n // CHUNK_TILE) + min(n, slots)  # a chunk's last tile may be partial
+        buf = torch.zeros(4 * n + 2 * d + s + 4 * t, dtype=torch.long, device=device)
+        return cls(buf, n, d, s, t)
+
+    def views(self):
+        n, d, s, t = self.n, self.d, self.s, self.t
+        ids, nxt, seq, pos, rest = self.buf.split([n, n, n, n, 2 * d + s + 4 * t])
+        dec_seq, dec_pos, sample, tiles = rest.split([d, d, s, 4 * t])
+        return ids, nxt, seq, pos, dec_seq, dec_pos, sample, tiles.view(4, t)
+
+    def host(self, lay: Layout, step: Step, pad: int) -> list[int]:
+        """The buffer's contents for `step`: padding tokens are row -1 (they write and read
+        nothing), unused tiles count 0 tokens."""
+        n, d, s, t = self.n, self.d, self.s, self.t
+        k = len(lay.ids)
+        fill = n - k
+        ids = [pad if i < 0 else i for i in lay.ids] + [pad] * fill
+        nxt = list(step.decode_slots) + [-1] * (n - lay.decode)
+        tiles = lay.tiles(step)
+        cols = [list(c) for c in zip(*tiles)] if tiles else [[], [], [], []]
+        tiles_flat = [x for c in cols for x in c + [0] * (t - len(tiles))]
+        dec = [*step.decode_slots, *[-1] * (d - lay.decode)]
+        dec_pos = [*step.decode_pos, *[0] * (d - lay.decode)]
+        sample = lay.sample + [0] * (s - len(lay.sample))
+        return [*ids, *nxt, *lay.seq, *[-1] * fill, *lay.pos, *[0] * fill, *dec, *dec_pos,
+                *sample, *tiles_flat]  # fmt: skip
 
 
 class ModelRunner:
@@ -151,126 +229,133 @@ class ModelRunner:
         )
         # Each slot's next decode input: the token its request sampled last.
         self.next_tokens = torch.zeros(slots, dtype=torch.long, device=self.device)
-        # The decode step's inputs; a captured graph reads them from these addresses.
-        self.dec_slots = torch.full((slots,), -1, dtype=torch.long, device=self.device)
-        self.dec_pos = torch.zeros(slots, dtype=torch.long, device=self.device)
-        self.dec_valid_from = torch.zeros(slots, dtype=torch.long, device=self.device)
         methods = [getattr(m, "method", None) for m in self.model.modules()]
         self.use_graphs = (
             cuda_graphs
             and self.device.type == "cuda"
             and all(m.supports_cuda_graphs for m in methods if m is not None)
         )
-        # On a GPU a decode step always runs a bucket's batch size, captured or not, so both
-        # ways launch the same kernels with the same shapes (CPU: exactly the rows).
-        self.buckets = decode_buckets(slots) if self.device.type == "cuda" else []
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.capture_seconds, self.capture_bytes = 0.0, 0
-        if self.device.type == "cuda":
+        # On a GPU a step always runs a bucket's token count, captured or not, so both ways
+        # launch the same kernels with the same shapes (CPU: exactly the step's tokens).
+        is_gpu = self.device.type == "cuda"
+        self.buckets = step_buckets(slots, max_prefill_tokens) if is_gpu else []
+        self.inputs = {b: StepInputs.allocate(b, slots, self.device) for b in self.buckets}
+        h, v = loaded.shape.hidden_size, loaded.shape.vocab_size
+        most = self.buckets[-1] if is_gpu else 0
+        # Every bucket's step leaves its results here: (tokens, hidden) and (slots, vocab).
+        self.hidden = torch.empty((most, h), dtype=loaded.dtype, device=self.device)
+        self.logits = torch.empty((min(slots, most), v), dtype=loaded.dtype, device=self.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.capture_seconds, self.capture_bytes, self.warm_up_seconds = 0.0, 0, 0.0
+        if is_gpu:
             self._warm_up()
         if self.use_graphs:
             self._capture()
 
-    # -- decode ----------------------------------------------------------------------------------
-    def _decode(self, rows: int, kv_len: int) -> torch.Tensor:
-        """The decode forward over the first `rows` entries of the static inputs: (rows, V)."""
-        slots = self.dec_slots[:rows]
-        ids = self.next_tokens[slots.clamp(min=0)][:, None]  # (rows, 1); padding reads slot 0
-        return self.model(ids, self.cache, slots=slots, start_pos=self.dec_pos[:rows],
-                          valid_from=self.dec_valid_from[:rows], kv_len=kv_len)  # fmt: skip
+    # -- the bucketed GPU step -------------------------------------------------------------------
+    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step over a bucket's inputs: final hidden states (n, hidden) and the logits of
+        its sample rows (s, vocab)."""
+        ids, nxt, seq, pos, dec_seq, dec_pos, sample, tiles = inputs.views()
+        ids = torch.where(nxt >= 0, self.next_tokens[nxt.clamp(min=0)], ids)
+        batch = FlatBatch(seq, pos, dec_seq, dec_pos, tiles)
+        hidden = self.model.forward_flat(ids, self.cache, batch)  # (n, hidden)
+        return hidden, self.model.lm_head(hidden[sample])
 
     def _warm_up(self) -> None:
-        """One decode forward per row bucket of the int8 kernels (and per graph bucket) with
-        every row padding, and prefills of a few lengths (the few-row kernel's buckets, the
-        dequantizing path past 64 rows, the eager attention): Triton compiles and autotunes at
-        start-up, not during the first requests (or during a capture). The decodes write no
-        cache entry; the prefills write slot 0, which any request's own prefill overwrites
-        before it reads."""
-        for r in warm_up_rows(self.slots):
-            self._decode(r, kv_len=1)
-        pad = self.loaded.shape.pad_token_id
-        for n in sorted({min(n, self.max_seq) for n in (2, 24, 96)}):
-            self._prefill([Prefill(0, 0, (pad,) * n)])
+        """Every bucket's step once, eagerly, with every token padding (no cache entry written
+        or read): Triton compiles and autotunes every launch shape the engine can run here, at
+        start-up, before /health says ready (and before a capture, which cannot compile)."""
+        t0 = time.perf_counter()
+        for n in self.buckets:
+            ids, nxt, seq, pos, dec_seq, dec_pos, sample, tiles = self.inputs[n].views()
+            nxt.fill_(-1), seq.fill_(-1), dec_seq.fill_(-1), tiles.zero_()
+            self._forward(self.inputs[n])
         torch.cuda.synchronize(self.device)
+        self.warm_up_seconds = time.perf_counter() - t0
+        if self.ctx.is_rank0:
+            log.info("warm-up: %d step shapes (1 to %d tokens) compiled and run in %.1f s",
+                     len(self.buckets), self.buckets[-1], self.warm_up_seconds)  # fmt: skip
 
     def _capture(self) -> None:
         t0 = time.perf_counter()
         torch.cuda.empty_cache()  # the warm-up's freed blocks would hide what the graphs take
         before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
-        for bucket in reversed(decode_buckets(self.slots)):  # largest first: the pool fits all
+        for n in reversed(self.buckets):  # largest first: the pool fits all
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._decode(bucket, kv_len=self.max_seq)
-            self.graphs[bucket] = (graph, logits)
+                hidden, logits = self._forward(self.inputs[n])
+                # Every bucket's results in the same two buffers (read before the next step).
+                self.hidden[:n].copy_(hidden)
+                self.logits[: logits.shape[0]].copy_(logits)
+            self.graphs[n] = graph
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
         self.capture_bytes = torch.cuda.memory_reserved(self.device) - before
         if self.ctx.is_rank0:
-            log.info("captured %d decode graphs (batch %s) in %.2f s, %.0f MiB",
+            log.info("captured %d step graphs (%s tokens) in %.2f s, %.0f MiB",
                      len(self.graphs), ", ".join(map(str, sorted(self.graphs))),
                      self.capture_seconds, self.capture_bytes / 2**20)  # fmt: skip
 
-    def bucket(self, rows: int) -> int:
-        return next((b for b in self.buckets if b >= rows), rows)
+    def bucket(self, tokens: int) -> int:
+        return next((b for b in self.buckets if b >= tokens), tokens)
 
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(
         self, step: Step, on_prompt_logits: Callable[..., None] | None = None,
     ) -> torch.Tensor | None:  # fmt: skip
-        """Run `step`; the logits (n, V) of the rows to sample, decode rows first, then each
-        prefill with `sample`, in order (None when there are none). For prefills with
-        `logprobs` >= 0, `on_prompt_logits(i, offset, logits, targets)` is called (rank 0) per
-        run of positions of prefill i: the run's first position in the chunk, logits (r, V)
-        and the token each position predicts (-1 past the prompt)."""
-        out = []
-        n = len(step.decode_slots)
-        if n:
-            rows = self.bucket(n)
-            pad = rows - n
-            host = torch.tensor([[*step.decode_slots, *[-1] * pad], [*step.decode_pos, *[0] * pad]])
-            self.dec_slots[:rows].copy_(to_device(host[0], self.device), non_blocking=True)
-            self.dec_pos[:rows].copy_(to_device(host[1], self.device), non_blocking=True)
-            if self.use_graphs:
-                graph, logits = self.graphs[rows]
-                graph.replay()
-                out.append(logits[:n])
-            else:
-                out.append(self._decode(rows, kv_len=max(step.decode_pos) + 1)[:n])
-        last = {}  # prefill index -> its last position's hidden state (to sample from)
-        for group in group_prefills(step.prefills, self.max_prefill_tokens, self.max_seq):
-            hidden = self._prefill([step.prefills[i] for i in group])  # (rows, T, h)
-            for row, i in enumerate(group):
-                p = step.prefills[i]
-                n = len(p.tokens)
-                if p.logprobs >= 0:
-                    targets = [*p.tokens[1:], p.next_token]
-                    for at in range(0, n, PROMPT_LOGPROB_ROWS):
-                        rows = hidden[row, at : min(n, at + PROMPT_LOGPROB_ROWS)]
-                        logits = self.model.lm_head(rows)
-                        if on_prompt_logits is not None:
-                            chunk = targets[at : at + PROMPT_LOGPROB_ROWS]
-                            on_prompt_logits(i, at, logits, to_device(chunk, self.device))
-                if p.sample:
-                    last[i] = hidden[row, n - 1]
-        if last:  # one LM head for every prompt that samples, in the step's order
-            out.append(self.model.lm_head(torch.stack([last[i] for i in sorted(last)])))
-        if not out:
+        """Run `step` as one forward over all its tokens; the logits (n, V) of the rows to
+        sample, decode rows first, then each prefill with `sample`, in order (None when there
+        are none). For prefills with `logprobs` >= 0, `on_prompt_logits(i, offset, logits,
+        targets)` is called (rank 0) per run of positions of prefill i: the run's first
+        position in the chunk, logits (r, V) and the token each position predicts (-1 past the
+        prompt)."""
+        lay = Layout.of(step)
+        if not lay.ids:
             return None
-        return out[0] if len(out) == 1 else torch.cat(out)
+        if self.device.type == "cuda":
+            n = self.bucket(len(lay.ids))
+            # A step beyond the buckets (a tool's long prefill) gets inputs of its own, eagerly.
+            inputs = self.inputs.get(n) or StepInputs.allocate(n, self.slots, self.device)
+            data = inputs.host(lay, step, self.loaded.shape.pad_token_id)
+            inputs.buf.copy_(to_device(data, self.device), non_blocking=True)
+            if n in self.graphs:
+                self.graphs[n].replay()
+                hidden, logits = self.hidden, self.logits
+            else:
+                hidden, logits = self._forward(inputs)
+            logits = logits[: len(lay.sample)]
+        else:
+            hidden, logits = self._forward_exact(lay, step)
+        for i, p in enumerate(step.prefills):
+            if p.logprobs >= 0:
+                self._prompt_logits(i, p, hidden[lay.prefill_at[i] :], on_prompt_logits)
+        return logits if len(lay.sample) else None
 
-    def _prefill(self, prefills: list[Prefill]) -> torch.Tensor:
-        """One eager forward over several prompt chunks, right-padded to the longest: (rows, T,
-        hidden). A padding position writes the cache past its row's chunk, where nothing reads
-        before that row's own later tokens overwrite it (group_prefills keeps it in the cache)."""
-        T = max(len(p.tokens) for p in prefills)
-        pad = self.loaded.shape.pad_token_id
-        ids = to_device([[*p.tokens, *[pad] * (T - len(p.tokens))] for p in prefills], self.device)
-        where = to_device([[p.slot for p in prefills], [p.start for p in prefills]], self.device)
-        zeros = torch.zeros(len(prefills), dtype=torch.long, device=self.device)
-        return self.model(ids, self.cache, slots=where[0], start_pos=where[1], valid_from=zeros,
-                          kv_len=max(p.start for p in prefills) + T, output="hidden")  # fmt: skip
+    def _forward_exact(self, lay: Layout, step: Step):
+        """The step over exactly its tokens, with the reference attention (CPU)."""
+        nxt = to_device([*step.decode_slots, *[-1] * (len(lay.ids) - lay.decode)], self.device)
+        ids = torch.where(nxt >= 0, self.next_tokens[nxt.clamp(min=0)],
+                          to_device(lay.ids, self.device))  # fmt: skip
+        seq, pos = to_device(lay.seq, self.device), to_device(lay.pos, self.device)
+        dec = to_device(step.decode_slots, self.device)
+        batch = FlatBatch(seq, pos, dec, to_device(step.decode_pos, self.device),
+                          torch.zeros((4, 0), dtype=torch.long), lay.segments(step))  # fmt: skip
+        hidden = self.model.forward_flat(ids, self.cache, batch)
+        logits = self.model.lm_head(hidden[to_device(lay.sample, self.device)])
+        return hidden, logits
+
+    def _prompt_logits(self, i: int, p: Prefill, hidden: torch.Tensor, callback) -> None:
+        """Prefill i's logits at every position, PROMPT_LOGPROB_ROWS at a time."""
+        n = len(p.tokens)
+        targets = [*p.tokens[1:], p.next_token]
+        for at in range(0, n, PROMPT_LOGPROB_ROWS):
+            logits = self.model.lm_head(hidden[at : min(n, at + PROMPT_LOGPROB_ROWS)])
+            if callback is not None:
+                chunk = targets[at : at + PROMPT_LOGPROB_ROWS]
+                callback(i, at, logits, to_device(chunk, self.device))
 
     def set_next_tokens(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Rank 0, after sampling: each sampled slot's next decode input."""

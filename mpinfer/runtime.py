@@ -129,7 +129,10 @@ def start(
     runner = runner or prepare(cfg, ctx, slots=slots, max_seq=max_seq)
     s = cfg.server
     if ctx.is_rank0:
-        return Engine(runner, ctx, load_tokenizer(runner.loaded.model_dir), max_queue=s.max_queue,
-                      max_prefill_tokens=s.max_prefill_tokens)  # fmt: skip
+        engine = Engine(runner, ctx, load_tokenizer(runner.loaded.model_dir),
+                        max_queue=s.max_queue, max_prefill_tokens=s.max_prefill_tokens,
+                        prefill_hold_steps=s.prefill_hold_steps)  # fmt: skip
+        engine.warm_up()
+        return engine
     run_worker(runner)
     return None

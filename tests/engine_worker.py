@@ -236,7 +236,7 @@ def main(model_dir, out_path, fault=False):
         runner = ModelRunner(loaded, ctx, slots=SLOTS, max_seq=MAX_SEQ)
         if fault and ctx.rank == 1:
             calls = {"n": 0}
-            forward = loaded.model.forward
+            forward = loaded.model.forward_flat
 
             def faulty(*a, **k):
                 calls["n"] += 1
@@ -244,7 +244,7 @@ def main(model_dir, out_path, fault=False):
                     raise RuntimeError("injected fault in rank 1's step")
                 return forward(*a, **k)
 
-            loaded.model.forward = faulty
+            loaded.model.forward_flat = faulty
         if ctx.is_rank0:
             out = scenarios(runner, ctx, load_tokenizer(model_dir))
             with open(out_path, "w") as f:

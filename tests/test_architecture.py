@@ -18,7 +18,7 @@ PACKAGE = ROOT / "mpinfer"
 GROUPS = {
     "base": {"mpinfer", "mpinfer.config", "mpinfer.dist", "mpinfer.extras"},
     "kernels": {"mpinfer.kernels"},  # and its submodules
-    "model": {"mpinfer.quant", "mpinfer.layers", "mpinfer.model"},
+    "model": {"mpinfer.quant", "mpinfer.layers", "mpinfer.attention", "mpinfer.model"},
     "layout": {"mpinfer.sharding", "mpinfer.memory"},
     "loading": {"mpinfer.checkpoint", "mpinfer.sharded", "mpinfer.hostmem", "mpinfer.loader"},
     "engine": {

@@ -9,6 +9,7 @@ import random
 import time
 
 import pytest
+import torch
 
 from .conftest import torchrun
 
@@ -130,46 +131,133 @@ def test_step_messages_survive_the_channel_encoding():
         assert decode_step_message(data) == step
 
 
-def test_decode_graph_buckets_and_warm_up_cover_every_batch():
-    """A step with n decode rows replays the smallest captured bucket >= n, so the buckets must
-    reach every n up to the slots; the GPU warm-up runs every bucket and the smallest row count
-    of every int8 kernel bucket (1, 2-16, 17-32, 33-64) the slots reach, nothing beyond them."""
+def test_step_buckets_cover_every_token_count_up_to_a_full_step():
+    """A step of n tokens replays the smallest captured bucket >= n, so the buckets must reach
+    every n up to every slot decoding beside a full prompt budget, and never waste more than
+    half a bucket (the decode buckets first: the batch-1 step stays a 1-token graph)."""
     from mpinfer.memory import decode_buckets
-    from mpinfer.runner import warm_up_rows
+    from mpinfer.runner import step_buckets
 
-    assert decode_buckets(1) == [1]
-    assert decode_buckets(8) == [1, 2, 4, 8]
-    assert decode_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
-    for slots in range(1, 130):
-        buckets = decode_buckets(slots)
-        assert buckets[-1] == slots and buckets == sorted(set(buckets))
-        for n in range(1, slots + 1):
-            bucket = next(b for b in buckets if b >= n)
-            assert bucket < 2 * n or bucket == 1  # never more than twice the rows
-        rows = warm_up_rows(slots)
-        assert set(buckets) <= set(rows) and max(rows) == slots
-        assert {1, 2, 17, 33} & set(range(1, slots + 1)) <= set(rows)
+    assert step_buckets(1, 0) == [1]
+    assert step_buckets(8, 0) == [1, 2, 4, 8]
+    assert step_buckets(32, 512) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 544]
+    assert step_buckets(48, 16) == [1, 2, 4, 8, 16, 32, 48, 64]
+    for slots in range(1, 70):
+        for budget in (1, 7, 64, 100, 512):
+            buckets = step_buckets(slots, budget)
+            assert buckets[: len(decode_buckets(slots))] == decode_buckets(slots)
+            assert buckets[-1] == slots + budget and buckets == sorted(set(buckets))
+            for n in range(1, slots + budget + 1):
+                bucket = next(b for b in buckets if b >= n)
+                assert bucket < 2 * n or bucket == 1
 
 
-def test_prompt_chunks_batch_within_the_token_budget_and_the_cache():
-    """A step's prompt chunks run as few forwards as the budget allows: longest first, each
-    batch padded to its longest chunk within max_prefill_tokens, the padding inside the cache."""
-    from mpinfer.runner import Prefill, group_prefills
+def test_step_layout_puts_decode_rows_first_and_cuts_chunks_into_tiles():
+    """The flat batch of a step: decode rows, then every chunk's tokens in order; the rows that
+    sample in `execute`'s order; a bucket's buffer padded with rows of -1 and empty tiles, its
+    views of the sizes the kernels' fixed grids expect; tiles cover every chunk token once."""
+    from mpinfer.kernels.tuning import CHUNK_TILE
+    from mpinfer.runner import STEP, Layout, Prefill, Step, StepInputs
 
-    def chunks(*specs):
-        return [Prefill(slot, start, tuple(range(n))) for slot, (start, n) in enumerate(specs)]
+    rng = random.Random(5)
+    for _ in range(100):
+        slots = 8
+        rows = rng.sample(range(slots), rng.randint(0, 4))
+        free = [s for s in range(slots) if s not in rows]
+        prefills = tuple(Prefill(s, rng.randrange(50), tuple(rng.randrange(1000) for _ in
+                                 range(rng.randint(1, 150))), rng.random() < 0.5)
+                         for s in rng.sample(free, rng.randint(0, 3)))  # fmt: skip
+        step = Step(STEP, tuple(rows), tuple(rng.randrange(100) for _ in rows), prefills)
+        lay = Layout.of(step)
+        n = len(lay.ids)
+        assert n == len(rows) + sum(len(p.tokens) for p in prefills) == len(lay.seq)
+        assert lay.ids[: len(rows)] == [-1] * len(rows) and lay.seq[: len(rows)] == list(rows)
+        expect_sample = list(range(len(rows))) + [
+            lay.prefill_at[i] + len(p.tokens) - 1 for i, p in enumerate(prefills) if p.sample
+        ]
+        assert lay.sample == expect_sample
+        covered = []
+        for row, tok0, count, pos0 in lay.tiles(step):
+            assert 0 < count <= CHUNK_TILE
+            for j in range(count):
+                assert lay.seq[tok0 + j] == row and lay.pos[tok0 + j] == pos0 + j
+                covered.append(tok0 + j)
+        assert sorted(covered) == list(range(len(rows), n))
+        if not n:
+            continue
+        bucket = 1 << (n - 1).bit_length()
+        inputs = StepInputs.allocate(bucket, slots, "cpu")
+        inputs.buf.copy_(torch.tensor(inputs.host(lay, step, pad=3)))
+        ids, nxt, seq, pos, dec_seq, dec_pos, sample, tiles = inputs.views()
+        assert seq[:n].tolist() == lay.seq and (seq[n:] == -1).all()
+        assert pos[:n].tolist() == lay.pos and (ids[n:] == 3).all()
+        assert nxt[: len(rows)].tolist() == list(rows) and (nxt[len(rows) :] == -1).all()
+        assert dec_seq[: len(rows)].tolist() == list(rows) and (dec_seq[len(rows) :] == -1).all()
+        assert sample[: len(lay.sample)].tolist() == lay.sample
+        used = [tuple(c) for c in tiles.t().tolist() if c[2]]
+        assert used == lay.tiles(step)
 
-    # 32 short prompts of a burst: one forward.
-    assert group_prefills(chunks(*[(0, 13)] * 32), 512, 256) == [list(range(32))]
-    # One long chunk and short ones: the long one alone, the short ones together.
-    assert group_prefills(chunks((0, 5), (0, 400), (0, 7), (0, 6)), 512, 1024) == [[1], [2, 3, 0]]
-    # Padding a late chunk (start 250) to 10 would run past max_seq = 256: its own batch.
-    assert group_prefills(chunks((0, 10), (250, 3)), 512, 256) == [[0], [1]]
-    for budget in (16, 64, 512):
-        rng = random.Random(budget)
-        ps = chunks(*[(rng.randrange(100), rng.randint(1, 16)) for _ in range(40)])
-        groups = group_prefills(ps, budget, 128)
-        assert sorted(i for g in groups for i in g) == list(range(40))
-        for g in groups:
-            T = max(len(ps[i].tokens) for i in g)
-            assert len(g) == 1 or (len(g) * T <= budget and all(ps[i].start + T <= 128 for i in g))
+
+def test_one_flat_forward_equals_separate_padded_forwards():
+    """A mixed step as one flat forward (decode rows and prompt chunks of several rows, chunks
+    continuing earlier ones) gives the same logits and the same cache as each row run alone
+    through the padded forward; with blocks smaller than a row (a block table that is not the
+    identity) as well."""
+    from mpinfer.attention import FlatBatch, KVCache, read_kv
+    from mpinfer.layers import TPGroup
+    from mpinfer.model import BloomModel, BloomShape
+    from mpinfer.quant import DenseMethod
+    from mpinfer.tools.randmodel import randomize_model
+
+    shape = BloomShape(vocab_size=300, hidden_size=64, n_layer=2, n_head=4)
+    model = BloomModel(shape, TPGroup(0, 1), method=DenseMethod(), dtype=torch.float64)
+    randomize_model(model, seed=3)
+    model.after_load(torch.device("cpu"))
+    for block_size in (None, 16):
+        flat = KVCache.allocate(shape, 1, slots=4, max_seq=80, dtype=torch.float64, device="cpu",
+                                block_size=block_size)  # fmt: skip
+        if block_size:  # rows on shuffled blocks
+            flat.tables = flat.tables.flatten()[torch.randperm(flat.tables.numel(),
+                                                generator=torch.Generator().manual_seed(1))
+                                                ].view_as(flat.tables)  # fmt: skip
+        ref = KVCache.allocate(shape, 1, slots=4, max_seq=80, dtype=torch.float64, device="cpu")
+        g = torch.Generator().manual_seed(7)
+        history = {r: torch.randint(0, 300, (int(n),), generator=g) for r, n in
+                   zip(range(4), (30, 1, 17, 40))}  # fmt: skip
+        # Step 1: every row's first tokens, as one flat batch of four chunks.
+        cuts = {0: 20, 1: 1, 2: 17, 3: 25}
+
+        def run(segments, ids):
+            seq = [r for r, _, n, _ in segments for _ in range(n)]
+            pos = [p + j for _, _, n, p in segments for j in range(n)]
+            batch = FlatBatch(torch.tensor(seq), torch.tensor(pos), torch.zeros(0, dtype=torch.long),
+                              torch.zeros(0, dtype=torch.long), torch.zeros((4, 0), dtype=torch.long),
+                              segments)  # fmt: skip
+            return model.forward_flat(torch.tensor(ids), flat, batch)
+
+        segs, ids, at = [], [], 0
+        for r, c in cuts.items():
+            segs.append((r, at, c, 0))
+            ids += history[r][:c].tolist()
+            at += c
+        h1 = run(segs, ids)
+        # Step 2: rows 1 and 2 decode one token each, rows 0 and 3 continue their prompts.
+        segs2 = [(1, 0, 1, 1), (2, 1, 1, 17), (0, 2, 10, 20), (3, 12, 15, 25)]
+        extra = {1: torch.tensor([5]), 2: torch.tensor([9])}
+        ids2 = [5, 9, *history[0][20:30].tolist(), *history[3][25:40].tolist()]
+        h2 = run(segs2, ids2)
+        full = {0: history[0], 1: torch.cat([history[1], extra[1]]),
+                2: torch.cat([history[2], extra[2]]), 3: history[3]}  # fmt: skip
+        for r, seq in full.items():
+            n = len(seq)
+            want = model(seq[None], ref, slots=torch.tensor([r]), start_pos=torch.tensor([0]),
+                         valid_from=torch.tensor([0]), kv_len=n, output="hidden")[0]  # fmt: skip
+            s1 = next(s for s in segs if s[0] == r)
+            s2 = next(s for s in segs2 if s[0] == r)
+            got = torch.cat([h1[s1[1] : s1[1] + s1[2]], h2[s2[1] : s2[1] + s2[2]]])
+            # float64 on both sides: only the summation order differs.
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+            for layer in range(2):
+                a = read_kv(flat.k[layer], flat.tables, torch.tensor([r]), n)
+                b = read_kv(ref.k[layer], ref.tables, torch.tensor([r]), n)
+                torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)

@@ -1,22 +1,28 @@
-"""Decode attention with ALiBi in one Triton kernel: write this step's K/V into the cache and
-attend over the slot's history, for one query token per row.
+"""Attention with ALiBi over the block-table KV cache, in Triton: one query token per row
+(decode), and tiles of prompt-chunk queries (prefill), both reading the same cache layout.
 
-    qkv (B, heads_per_rank * 3 * head_dim)   the fused QKV output, laid out [heads, 3, head_dim]
-    k_cache, v_cache (slots, heads_per_rank, max_seq, head_dim)
-    slot_ids, positions, valid_from (B,)     row b writes at positions[b] of slot slot_ids[b]
-                                             and attends to [valid_from[b], positions[b]];
-                                             a row of slot -1 (padding) does neither: zeros out
+    qkv (N, heads_per_rank * 3 * head_dim)   the fused QKV output, laid out [heads, 3, head_dim]
+    k_cache, v_cache (blocks, heads_per_rank, block_size, head_dim)
+    tables (rows, blocks_per_row)            position p of cache row r is at offset
+                                             p % block_size of block tables[r, p // block_size]
     slopes (heads_per_rank,) fp32            this rank's ALiBi slopes
-    out (B, heads_per_rank * head_dim)       ready for the dense (row-parallel) layer
 
-Flash-decoding: program (b, h, s) streams split s of the row's keys and values (the history
-cut into n_splits equal runs of BLOCK_L-key tiles at run time) with an online softmax in fp32,
-and a second kernel merges the splits; batch 1 with 32 heads still fills the GPU. Tiles of 32
-keys with 2 warps per program beat 64 keys with 4 by 1.3-1.5x at every batch on the H200
-(docs/performance.md). The new token's key and value come straight
-from qkv (no read-after-write of the cache inside a program). Two launches replace the
-view/unbind, two index_puts, the mask and bias build, SDPA and the transpose copy of the eager
-path (the reference: model.BloomAttention).
+`decode_attention`: row b of qkv is the new token of cache row seq[b] at positions[b]; it writes
+its key and value and attends to [valid_from[b], positions[b]]; a row of seq -1 (padding) does
+neither: zeros out. Flash-decoding: program (b, h, s) streams split s of the row's keys and
+values (the history cut into n_splits equal runs of BLOCK_L-key tiles at run time) with an online
+softmax in fp32, and a second kernel merges the splits; batch 1 with 32 heads still fills the
+GPU. Tiles of 32 keys with 2 warps per program beat 64 keys with 4 by 1.3-1.5x at every batch on
+the H200 (docs/performance.md). The new token's key and value come straight from qkv (no
+read-after-write of the cache inside a program).
+
+`store_kv` + `chunk_attention`: the prompt chunks of a step. The first writes every token's key
+and value into the cache (tokens of row -1 write nothing); the second runs program (tile, h)
+over one tile of up to BLOCK_M consecutive query tokens of one chunk (tile = cache row, first
+token, token count, first position; a count of 0 is an unused tile of a captured bucket), with
+tensor-core products of the tile's queries against BLOCK_N-key tiles of [0, last position] and a
+causal mask. Both are launched over fixed grids, so a CUDA graph serves every mix of chunks up to
+its bucket's size. The eager reference of all three: attention.py (the model layer).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tuning import attention_splits, sm_count
+from .tuning import CHUNK_TILE, attention_splits, sm_count
 
 # Keys per tile, warps and pipeline stages per program (the sweep's winner; stages made no
 # difference there).
@@ -34,9 +40,9 @@ TILE_KEYS, WARPS, STAGES = 32, 2, 3
 
 @triton.jit
 def _decode_attention_kernel(
-    qkv_ptr, k_ptr, v_ptr, ws_ptr, slot_ptr, pos_ptr, vf_ptr, slope_ptr,
-    stride_qkv, stride_cs, stride_ch, stride_cl, scale, n_heads, n_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr,
+    qkv_ptr, k_ptr, v_ptr, ws_ptr, slot_ptr, pos_ptr, vf_ptr, slope_ptr, table_ptr,
+    stride_qkv, stride_cs, stride_ch, stride_cl, stride_t, scale, n_heads, n_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
     """Program (b, h, s): split s of the keys [vf, pos) of row b, cut into n_splits equal runs
     of whole BLOCK_L tiles at run time (the row's length is known only on the device, so a
@@ -54,7 +60,8 @@ def _decode_attention_kernel(
     d = tl.arange(0, HEAD_DIM)
     base = qkv_ptr + b * stride_qkv + h * 3 * HEAD_DIM
     q = tl.load(base + d).to(tl.float32)
-    cache_off = slot.to(tl.int64) * stride_cs + h * stride_ch
+    table = table_ptr + slot.to(tl.int64) * stride_t
+    head_off = h * stride_ch
     m = -float("inf")
     denom = 0.0
     acc = tl.zeros((HEAD_DIM,), dtype=tl.float32)
@@ -62,8 +69,10 @@ def _decode_attention_kernel(
         k_new = tl.load(base + HEAD_DIM + d)
         v_new = tl.load(base + 2 * HEAD_DIM + d)
         write = (d * 0 + slot_in) >= 0  # (HEAD_DIM,): every lane of a live row
-        tl.store(k_ptr + cache_off + pos * stride_cl + d, k_new, mask=write)
-        tl.store(v_ptr + cache_off + pos * stride_cl + d, v_new, mask=write)
+        blk = tl.load(table + pos // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
+        new_off = blk * stride_cs + head_off + (pos % BLOCK_SIZE) * stride_cl
+        tl.store(k_ptr + new_off + d, k_new, mask=write)
+        tl.store(v_ptr + new_off + d, v_new, mask=write)
         m_new_token = tl.sum(q * k_new.to(tl.float32)) * scale + slope * (pos - vf).to(tl.float32)
         m = tl.where(live, m_new_token, -float("inf"))
         denom = tl.where(live, 1.0, 0.0)
@@ -75,7 +84,9 @@ def _decode_attention_kernel(
     for start in tl.range(lo, hi, BLOCK_L):
         j = start + offs  # (BLOCK_L,) key positions
         ok = j < hi
-        kv_off = cache_off + j[:, None].to(tl.int64) * stride_cl + d[None, :]
+        blk = tl.load(table + j // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)  # (BLOCK_L,)
+        row_off = blk * stride_cs + head_off + (j % BLOCK_SIZE) * stride_cl
+        kv_off = row_off[:, None] + d[None, :]
         keys = tl.load(k_ptr + kv_off, mask=ok[:, None], other=0.0).to(tl.float32)
         vals = tl.load(v_ptr + kv_off, mask=ok[:, None], other=0.0).to(tl.float32)
         sc = tl.sum(keys * q[None, :], axis=1) * scale + slope * (j - vf).to(tl.float32)
@@ -121,7 +132,9 @@ def decode_attention(
     positions: torch.Tensor,
     valid_from: torch.Tensor,
     slopes: torch.Tensor,
+    tables: torch.Tensor,
     *,
+    out: torch.Tensor | None = None,
     n_splits: int | None = None,
     block_l: int = TILE_KEYS,
     num_warps: int = WARPS,
@@ -130,20 +143,137 @@ def decode_attention(
     """n_splits (programs per row and head) by default from the policy in
     tuning.attention_splits; the keyword arguments are for benchmarks and tests."""
     B = qkv.shape[0]
-    heads, max_seq, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    heads, block_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    max_seq = tables.shape[1] * block_size
     assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     if n_splits is None:
         n_splits = attention_splits(B, heads, max_seq, sm_count(qkv.device.index))
     ws = torch.empty((B, heads, n_splits, head_dim + 2), dtype=torch.float32, device=qkv.device)
-    out = torch.empty((B, heads * head_dim), dtype=qkv.dtype, device=qkv.device)
+    if out is None:
+        out = torch.empty((B, heads * head_dim), dtype=qkv.dtype, device=qkv.device)
     _decode_attention_kernel[(B, heads, n_splits)](
-        qkv, k_cache, v_cache, ws, slot_ids, positions, valid_from, slopes,
-        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        qkv, k_cache, v_cache, ws, slot_ids, positions, valid_from, slopes, tables,
+        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         head_dim**-0.5, heads, n_splits,
-        HEAD_DIM=head_dim, BLOCK_L=block_l, num_warps=num_warps, num_stages=num_stages,
+        HEAD_DIM=head_dim, BLOCK_L=block_l, BLOCK_SIZE=block_size, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     _combine_kernel[(B, heads)](
         ws, out, out.stride(0), heads, n_splits,
         HEAD_DIM=head_dim, SPLITS_P2=triton.next_power_of_2(n_splits), num_warps=2,
     )  # fmt: skip
     return out
+
+
+# The prompt-chunk kernel's query and key tiles: 64 x 64 at head_dim 128 keeps q, one key and one
+# value tile and the fp32 accumulator in registers with 4 warps.
+CHUNK_M, CHUNK_N, CHUNK_WARPS, CHUNK_STAGES = CHUNK_TILE, 64, 4, 2
+
+
+@triton.jit
+def _store_kv_kernel(qkv_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, table_ptr,
+                     stride_qkv, stride_cs, stride_ch, stride_cl, stride_t,
+                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """Program (t, h): token t's key and value of head h into its row's block (row -1: none)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    seq = tl.load(seq_ptr + t)
+    if seq < 0:
+        return
+    pos = tl.load(pos_ptr + t)
+    blk = tl.load(table_ptr + seq.to(tl.int64) * stride_t + pos // BLOCK_SIZE).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    src = qkv_ptr + t.to(tl.int64) * stride_qkv + h * 3 * HEAD_DIM
+    dst = blk * stride_cs + h * stride_ch + (pos % BLOCK_SIZE) * stride_cl + d
+    tl.store(k_ptr + dst, tl.load(src + HEAD_DIM + d))
+    tl.store(v_ptr + dst, tl.load(src + 2 * HEAD_DIM + d))
+
+
+@triton.jit
+def _chunk_attention_kernel(
+    qkv_ptr, k_ptr, v_ptr, out_ptr, tile_ptr, slope_ptr, table_ptr, stride_tile,
+    stride_qkv, stride_out, stride_cs, stride_ch, stride_cl, stride_t, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """Program (i, h): tile i = (cache row, first token, count, first position) of the tile
+    table (4, n_tiles), rows stride_tile apart; queries attend causally to keys [0, their
+    position]."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(tile_ptr + 2 * stride_tile + i)
+    if n == 0:
+        return
+    seq = tl.load(tile_ptr + i)
+    tok0 = tl.load(tile_ptr + stride_tile + i)
+    pos0 = tl.load(tile_ptr + 3 * stride_tile + i)
+    slope = tl.load(slope_ptr + h)
+    m_idx = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    q_ok = m_idx < n
+    q_rows = (tok0 + m_idx).to(tl.int64)
+    q = tl.load(qkv_ptr + q_rows[:, None] * stride_qkv + h * 3 * HEAD_DIM + d[None, :],
+                mask=q_ok[:, None], other=0.0)  # fmt: skip
+    q_pos = pos0 + m_idx  # (BLOCK_M,)
+    table = table_ptr + seq.to(tl.int64) * stride_t
+    m = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
+    denom = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    hi = pos0 + n  # keys [0, hi): the tile's last query sees them all
+    for start in tl.range(0, hi, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        k_ok = j < hi
+        blk = tl.load(table + j // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        row_off = blk * stride_cs + h * stride_ch + (j % BLOCK_SIZE) * stride_cl
+        kv_off = row_off[:, None] + d[None, :]
+        keys = tl.load(k_ptr + kv_off, mask=k_ok[:, None], other=0.0)  # (BLOCK_N, HEAD_DIM)
+        if IEEE:
+            sc = tl.dot(q, tl.trans(keys), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(keys))
+        sc = sc * scale + slope * j[None, :].to(tl.float32)  # (BLOCK_M, BLOCK_N)
+        sc = tl.where((j[None, :] <= q_pos[:, None]) & k_ok[None, :], sc, -float("inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(sc - m_new[:, None])
+        vals = tl.load(v_ptr + kv_off, mask=k_ok[:, None], other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(vals.dtype), vals, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(vals.dtype), vals)
+        acc = acc * alpha[:, None] + pv
+        denom = denom * alpha + tl.sum(p, axis=1)
+        m = m_new
+    out = acc / denom[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_out + h * HEAD_DIM + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_ok[:, None])  # fmt: skip
+
+
+def store_kv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: torch.Tensor,
+             positions: torch.Tensor, tables: torch.Tensor) -> None:  # fmt: skip
+    """Every token's key and value (qkv row t: cache row seq[t], position positions[t])."""
+    heads, block_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    _store_kv_kernel[(qkv.shape[0], heads)](
+        qkv, k_cache, v_cache, seq, positions, tables,
+        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, num_warps=1,
+    )  # fmt: skip
+
+
+def chunk_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    tiles: torch.Tensor, slopes: torch.Tensor, tables: torch.Tensor,
+                    out: torch.Tensor) -> None:  # fmt: skip
+    """The prompt-chunk tiles' attention into their rows of `out` (N, heads * head_dim);
+    `tiles` (4, n_tiles) int64: cache row, first token, count, first position of each tile."""
+    heads, block_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    n_tiles = tiles.shape[1]
+    if n_tiles == 0:
+        return
+    assert tiles.stride(1) == 1 and k_cache.stride() == v_cache.stride()
+    _chunk_attention_kernel[(n_tiles, heads)](
+        qkv, k_cache, v_cache, out, tiles, slopes, tables, tiles.stride(0),
+        qkv.stride(0), out.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        tables.stride(0), head_dim**-0.5,
+        HEAD_DIM=head_dim, BLOCK_M=CHUNK_M, BLOCK_N=CHUNK_N, BLOCK_SIZE=block_size,
+        IEEE=qkv.dtype == torch.float32, num_warps=CHUNK_WARPS, num_stages=CHUNK_STAGES,
+    )  # fmt: skip

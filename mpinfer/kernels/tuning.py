@@ -30,6 +30,9 @@ TABLE_DIR = Path(__file__).parent / "tuned"
 # The W8A16 kernel's tuning buckets: one row, then row tiles of up to 16, 32 and 64 rows. Each
 # bucket is tuned on its own; the engine warms each one up at start-up.
 ROW_BUCKETS = (1, 16, 32, 64)
+# Query tokens per tile of the prompt-chunk attention kernel (kernels/attention.py); the runner
+# cuts chunks into tiles of this many.
+CHUNK_TILE = 64
 WORKSPACE_BYTES = 16 << 20  # per device: the largest split-K partials a launch may write
 COUNTERS = 1 << 15  # per device: one int32 per output tile
 

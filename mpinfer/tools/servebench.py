@@ -43,9 +43,10 @@ from ..engine import Engine
 from ..extras import require
 from ..launcher import free_port
 from ..loader import load_model
-from ..runner import ModelRunner
+from ..runner import ModelRunner, Prefill, Step
 from ..runtime import load_tokenizer
 from ..sampling import Row, Sampler, SamplingParams
+from . import loadgen
 from .randmodel import SHAPES, decode_step, fill_context
 from .report import cuda_time, machine, md_table, save_result
 from .tiny import make_tiny
@@ -121,7 +122,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> bool:
 class ServerProcess:
     """`mpinfer serve --nproc N ...` on 127.0.0.1, ready when /health says so."""
 
-    def __init__(self, nproc: int, model: str, *settings: str, timeout: float = 900):
+    def __init__(self, nproc: int, model: str, *settings: str, timeout: float = 900,
+                 env: dict | None = None):  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [
@@ -138,7 +140,7 @@ class ServerProcess:
             *[x for s in settings for x in ("--set", s)],
         ]
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"serve-{self.port}.log", "w+")
-        self.proc = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=self.log,
+        self.proc = subprocess.Popen(args, cwd=ROOT, env={**ENV, **(env or {})}, stdout=self.log,
                                      stderr=subprocess.STDOUT)  # fmt: skip
         if not wait_ready(self.url, self.proc, timeout):
             self.stop()
@@ -312,12 +314,18 @@ def engine_steps(ckpt: str, batches: list[int], context: int) -> dict:
     cfg = load_config(None, [f'model.path="{ckpt}"', 'quant.method="int8"',
                              'model.dtype="float16"'])  # fmt: skip
     loaded = load_model(cfg, ctx)
-    runner = ModelRunner(loaded, ctx, slots=max(batches), max_seq=context + 64)
+    runner = ModelRunner(loaded, ctx, slots=max(batches), max_seq=max(context + 64, 2048 + 64))
+    out_prefill = {}
+    for T in (512, 2048):  # one prompt's prefill: T tokens in one step (512 graphed, 2048 eager)
+        tokens = tuple(range(4, 4 + T))
+        step = Step(prefills=(Prefill(0, 0, tokens, sample=True),))
+        out_prefill[T] = T / (cuda_time(lambda: runner.execute(step), iters=5) / 1e3)
     fill_context(runner, max(batches), context)
     sampler = Sampler(slots=runner.slots, vocab_size=loaded.shape.vocab_size, eos_token_id=2,
                       device=runner.device)  # fmt: skip
     out = {"step_ms": {}, "step_with_sampling_ms": {}, "graph_capture_s": runner.capture_seconds,
-           "graph_MiB": runner.capture_bytes / 2**20}  # fmt: skip
+           "graph_MiB": runner.capture_bytes / 2**20, "warm_up_s": runner.warm_up_seconds,
+           "prefill_tok_s": out_prefill}  # fmt: skip
     greedy = SamplingParams(max_new_tokens=1)
     for B in batches:
         step = decode_step(B, context)
@@ -366,31 +374,53 @@ def run_serve_gpu(a) -> dict:
     result = {"shape": a.shape, "checkpoint_write_s": time.perf_counter() - t0,
               "machine": machine(), "phases": {}}  # fmt: skip
     spy_dir = Path(a.workdir)
+    # A compile cache of its own, empty: the start and the first burst of a fresh machine.
+    cache = Path(a.workdir) / f"triton-cache-{int(time.time())}"
+    settings = ('quant.method="int8"', 'model.dtype="float16"', "server.max_batch_slots=64",
+                "server.max_seq_len=2048", "server.max_queue=1024")  # fmt: skip
     t0 = time.perf_counter()
-    server = ServerProcess(1, str(ckpt), 'quant.method="int8"', 'model.dtype="float16"',
-                           "server.max_batch_slots=64", "server.max_seq_len=512",
-                           "server.max_queue=256")  # fmt: skip
+    server = ServerProcess(1, str(ckpt), *settings, env={"TRITON_CACHE_DIR": str(cache)})
     result["server_start_s"] = time.perf_counter() - t0
     try:
         pid = server.rank0_pid()
-        asyncio.run(load_phase(server.url, 4, 16))  # warm: the first requests of a fresh server
+        # The first burst after ready (nothing warmed by a client), then the same burst again.
+        result["phases"]["32-first"] = asyncio.run(load_phase(server.url, 32, 128))
+        result["phases"]["32-again"] = asyncio.run(load_phase(server.url, 32, 128))
         result["phases"]["1"] = asyncio.run(load_phase(server.url, 1, 256))
         for clients in (8, 32, 64):
             result["phases"][str(clients)] = asyncio.run(load_phase(server.url, clients, 128))
             print(json.dumps(result["phases"][str(clients)]), flush=True)
+        result["sustained"] = {}
+        for clients in a.closed_clients:
+            result["sustained"][f"closed-{clients}"] = asyncio.run(
+                loadgen.closed_loop(server.url, clients, a.sustain_s))
+            print(json.dumps(result["sustained"][f"closed-{clients}"]), flush=True)
+        for rate in a.rates:
+            result["sustained"][f"poisson-{rate:g}"] = asyncio.run(
+                loadgen.open_loop(server.url, rate, a.sustain_s))
+            print(json.dumps(result["sustained"][f"poisson-{rate:g}"]), flush=True)
         if a.profile:  # after the measured phases: the profiler takes a little of the CPU
-            for clients, name in ((1, "1client"), (32, "32clients")):
-                spy = profile(pid, 3, spy_dir / f"profile-{name}.txt")
-                while spy is not None and spy.poll() is None:
-                    asyncio.run(load_phase(server.url, clients, 256 if clients == 1 else 128))
+            spy = profile(pid, 8, spy_dir / "profile-sustained.txt")
+            asyncio.run(loadgen.closed_loop(server.url, 32, 10))
+            while spy is not None and spy.poll() is None:
+                time.sleep(0.2)
     finally:
         result["server_exit_code"] = server.stop()
         result["server_log_tail"] = server.output()[-4000:]
-    for name in ("1client", "32clients"):
-        result[f"profile_{name}"] = top_frames(spy_dir / f"profile-{name}.txt")
+    # The second start: the same compile cache, now full.
+    t0 = time.perf_counter()
+    server = ServerProcess(1, str(ckpt), *settings, env={"TRITON_CACHE_DIR": str(cache)})
+    result["server_restart_s"] = time.perf_counter() - t0
+    server.stop()
+    result["server_restart_log_tail"] = server.output()[-1500:]
+    result["profile_sustained"] = top_frames(spy_dir / "profile-sustained.txt")
     result["engine"] = engine_steps(str(ckpt), [1, 8, 32, 64], context=128)
     result["transformers"] = transformers_generate(str(ckpt), 32, 128)
     p, e = result["phases"], result["engine"]
+    prefill = max(e["prefill_tok_s"].values())
+    for row in result["sustained"].values():
+        row["ideal_tok_s"] = loadgen.ideal_tok_s(row["prompt_per_output"], prefill,
+                                                 e["step_ms"][32])  # fmt: skip
     result.update({
         "served_itl_ms_1client": p["1"]["itl_ms_median"],
         "step_ms_b1": e["step_ms"][1], "step_ms_b32": e["step_ms"][32],
@@ -405,6 +435,9 @@ def run_serve_gpu(a) -> dict:
         / (32 / (result["step_ms_b32"] / 1e3)),
         "served_32_over_transformers": result["served_tok_per_s_32clients"]
         / result["transformers_tok_per_s_b32"],
+        "first_burst_over_warm": p["32-first"]["tok_per_s"] / p["32-again"]["tok_per_s"],
+        **{f"{k}_over_ideal": r["tok_per_s"] / r["ideal_tok_s"]
+           for k, r in result["sustained"].items()},
     }
     return result
 
@@ -433,6 +466,18 @@ def serve_gpu_table(r: dict) -> str:
             for c, p in r["phases"].items()
         ]),
         "",
+        md_table(loadgen.PHASE_HEADER, [
+            loadgen.phase_row(k, v, v["ideal_tok_s"]) for k, v in r["sustained"].items()
+        ]),
+        "",
+        f"first burst of 32 x 128 after ready (empty compile cache): "
+        f"{r['phases']['32-first']['tok_per_s']:.0f} tok/s, the same burst again "
+        f"{r['phases']['32-again']['tok_per_s']:.0f} tok/s "
+        f"({t['first_burst_over_warm']:.2f} x); start {r['server_start_s']:.0f} s with an empty "
+        f"compile cache, {r['server_restart_s']:.0f} s with it full; warm-up "
+        f"{e['warm_up_s']:.1f} s, graph capture {e['graph_capture_s']:.1f} s; prefill "
+        + ", ".join(f"{k} tokens {v:.0f} tok/s" for k, v in e["prefill_tok_s"].items()),
+        "",
         md_table(["engine step (no server)", *[f"b={b}" for b in e["step_ms"]]], [
             ["decode graph replay ms", *[f"{v:.2f}" for v in e["step_ms"].values()]],
             ["with greedy sampling ms", *[f"{v:.2f}" for v in e["step_with_sampling_ms"].values()]],
@@ -451,6 +496,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--gpu", action="store_true", help="serve: the served speed on this GPU")
     p.add_argument("--shape", default="bloom-7b1", choices=list(SHAPES), help="with --gpu")
     p.add_argument("--profile", action="store_true", help="with --gpu: py-spy the serving rank")
+    p.add_argument("--sustain-s", type=float, default=20, help="with --gpu: seconds per "
+                   "sustained phase (loadgen.py's mixed prompt and output lengths)")
+    p.add_argument("--closed-clients", type=lambda v: [int(x) for x in v.split(",")],
+                   default=[32], help="with --gpu: closed-loop client counts (default 32)")
+    p.add_argument("--rates", type=lambda v: [float(x) for x in v.split(",")],
+                   default=[8.0, 16.0], help="with --gpu: Poisson request rates per second")
     a = p.parse_args(argv)
     Path(a.workdir).mkdir(parents=True, exist_ok=True)
     if a.gpu:

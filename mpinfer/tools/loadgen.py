@@ -1,0 +1,202 @@
+"""Sustained traffic for `mpinfer bench serve --gpu`: what a served model sees in production,
+rather than one synchronized burst.
+
+The mix (seeded, the same every run): a request's prompt is a 9-word sentence repeated k times,
+k drawn from {1, 4, 16, 64} (about 20 to 1,400 tokens with the random checkpoint's tokenizer),
+and its output length is drawn uniformly from 32..256 tokens (`ignore_eos`, so every request
+produces exactly what it asked for). Two ways to drive it:
+
+    closed loop   N clients, each sending its next request as soon as the last one ends, for a
+                  fixed time (the load a fixed pool of users or workers puts on a server)
+    open loop     requests arriving as a Poisson process at a given rate, whatever the server's
+                  pace (the load of many independent users), one phase per rate
+
+Each phase reports output tokens/s, time to first token p50/p99, inter-token gap p50/p99, the
+prompt tokens per output token of what actually ran, and GPU utilization and memory (NVML,
+sampled every 100 ms) when nvidia-ml-py is installed. `ideal_tok_s` is what that mix allows on
+this engine: 1 / (prompt tokens per output token / prefill tokens/s + batch-32 step / 32), prefill
+work counted once at full prefill speed, decode at the batch-32 graph step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import threading
+import time
+
+WORDS = "the river runs past the old stone bridge tonight".split()
+REPEATS = (1, 4, 16, 64)
+OUTPUT_RANGE = (32, 256)
+
+
+def mixed_requests(n: int, seed: int = 0) -> list[tuple[str, int]]:
+    """n (prompt, max_new_tokens) pairs of the mix; request i differs from the others in its
+    first word, so no two prompts are the same."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        k = rng.choice(REPEATS)
+        text = f"request {i}: " + " ".join(WORDS * k)
+        out.append((text, rng.randint(*OUTPUT_RANGE)))
+    return out
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+class GpuSampler:
+    """GPU utilization and memory every 100 ms on a thread, while a phase runs (NVML)."""
+
+    def __init__(self):
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nvml, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:  # no NVML (a CPU machine, or nvidia-ml-py missing): no GPU columns
+            self.nvml = None
+        self.util, self.mem, self.stop = [], [], threading.Event()
+
+    def __enter__(self):
+        if self.nvml is not None:
+            self.thread = threading.Thread(target=self._run, daemon=True)
+            self.thread.start()
+        return self
+
+    def _run(self):
+        while not self.stop.wait(0.1):
+            self.util.append(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+            self.mem.append(self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used / 2**30)
+
+    def __exit__(self, *exc):
+        self.stop.set()
+
+    def summary(self) -> dict:
+        if not self.util:
+            return {"gpu_util_pct": None, "gpu_mem_gib": None}
+        return {"gpu_util_pct": statistics.mean(self.util), "gpu_mem_gib": max(self.mem)}
+
+
+async def one_request(session, url: str, prompt: str, max_new: int) -> dict:
+    """A streaming /v1/completions request (what vLLM's and guidellm's load generators send,
+    `ignore_eos` included): when each chunk arrived, and the usage the server counted."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_new, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    t0 = time.perf_counter()
+    times, usage = [], None
+    try:
+        async with session.post(url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                return {"error": f"HTTP {r.status}: {(await r.text())[:200]}"}
+            async for line in r.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return {"error": str(chunk["error"])[:200]}
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if chunk.get("choices"):
+                    times.append(time.perf_counter())
+    except Exception as e:  # a connection fault is counted as an error of this request
+        return {"error": f"{type(e).__name__}: {e}"}
+    if usage is None:
+        return {"error": "no usage chunk"}
+    return {"start": t0, "times": times, "prompt_tokens": usage["prompt_tokens"],
+            "output_tokens": usage["completion_tokens"]}  # fmt: skip
+
+
+def summarize(results: list[dict], wall: float) -> dict:
+    """A phase's figures; inter-token gaps are between streamed chunks (a token whose text is
+    still incomplete rides in the next chunk)."""
+    ok = [r for r in results if "times" in r and r["times"]]
+    out_tokens = sum(r["output_tokens"] for r in ok)
+    prompt_tokens = sum(r["prompt_tokens"] for r in ok)
+    ttft = [(r["times"][0] - r["start"]) * 1e3 for r in ok]
+    gaps = [(b - a) * 1e3 for r in ok for a, b in zip(r["times"], r["times"][1:])]
+    return {
+        "requests": len(ok),
+        "errors": len(results) - len(ok),
+        "first_error": next((r["error"] for r in results if "error" in r), None),
+        "output_tokens": out_tokens,
+        "prompt_per_output": prompt_tokens / max(out_tokens, 1),
+        "wall_s": wall,
+        "tok_per_s": out_tokens / wall,
+        "ttft_ms_p50": pct(ttft, 0.5),
+        "ttft_ms_p99": pct(ttft, 0.99),
+        "itl_ms_p50": pct(gaps, 0.5),
+        "itl_ms_p99": pct(gaps, 0.99),
+    }
+
+
+async def closed_loop(url: str, clients: int, seconds: float, seed: int = 0) -> dict:
+    """`clients` clients each sending the mix's next request as soon as its last one ended;
+    requests still running at the end are waited for, and counted (the wall time covers them)."""
+    import aiohttp
+
+    work = mixed_requests(100_000, seed)
+    cursor = iter(range(len(work)))
+    results: list[dict] = []
+    stop_at = time.perf_counter() + seconds
+
+    async def client(session):
+        while time.perf_counter() < stop_at:
+            prompt, max_new = work[next(cursor)]
+            results.append(await one_request(session, url, prompt, max_new))
+
+    timeout = aiohttp.ClientTimeout(total=900)
+    with GpuSampler() as gpu:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            t0 = time.perf_counter()
+            await asyncio.gather(*[client(session) for _ in range(clients)])
+            wall = time.perf_counter() - t0
+    return {"mode": "closed", "clients": clients, **summarize(results, wall),
+            **gpu.summary()}  # fmt: skip
+
+
+async def open_loop(url: str, rate: float, seconds: float, seed: int = 0) -> dict:
+    """Requests of the mix arriving as a Poisson process of `rate` per second for `seconds`."""
+    import aiohttp
+
+    rng = random.Random(seed + 1)
+    work = mixed_requests(100_000, seed)
+    tasks = []
+    timeout = aiohttp.ClientTimeout(total=900)
+    with GpuSampler() as gpu:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            t0 = time.perf_counter()
+            i = 0
+            while time.perf_counter() - t0 < seconds:
+                prompt, max_new = work[i]
+                i += 1
+                tasks.append(asyncio.create_task(one_request(session, url, prompt, max_new)))
+                await asyncio.sleep(rng.expovariate(rate))
+            results = await asyncio.gather(*tasks)
+            wall = time.perf_counter() - t0
+    return {"mode": "poisson", "rate": rate, **summarize(list(results), wall),
+            **gpu.summary()}  # fmt: skip
+
+
+def ideal_tok_s(prompt_per_output: float, prefill_tok_s: float, step_ms_b32: float) -> float:
+    return 1 / (prompt_per_output / prefill_tok_s + step_ms_b32 / 1e3 / 32)
+
+
+def phase_row(name: str, p: dict, ideal: float | None) -> list:
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    return [name, f"{p['tok_per_s']:.0f}", f(ideal and p["tok_per_s"] / ideal, ".2f"),
+            f(p["ttft_ms_p50"], ".0f"), f(p["ttft_ms_p99"], ".0f"), f(p["itl_ms_p50"], ".1f"),
+            f(p["itl_ms_p99"], ".1f"), f"{p['prompt_per_output']:.2f}",
+            f(p["gpu_util_pct"], ".0f"), f(p["gpu_mem_gib"], ".1f"), p["errors"]]  # fmt: skip
+
+
+PHASE_HEADER = ["load", "output tok/s", "/ ideal", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+                "ITL p99 ms", "prompt/output", "GPU util %", "GPU GiB", "errors"]  # fmt: skip
