@@ -178,8 +178,30 @@ def scenarios(runner, ctx, tok):
     t.start()
     engine.run(until_idle=True)
     t.join()
+    # The same prompt whole, in one step (a budget above its length): the same tokens.
+    engine = Engine(runner, ctx, tok, max_prefill_tokens=64)
+    _, box = collect(engine, long_ids, SamplingParams(max_new_tokens=5))
+    engine.run(until_idle=True)
     out["chunked"] = {"long_alone": long_alone, "long": as_dict(late["box"]["result"]),
-                      "decoding": as_dict(first["result"])}  # fmt: skip
+                      "decoding": as_dict(first["result"]), "whole": as_dict(box["result"]),
+                      "steps_whole": engine.steps}  # fmt: skip
+
+    # 8b. Cancelled mid-prompt (4 tokens a step, 60 to go): it ends at once with no token, its
+    #     slot is free, and a request beside it is untouched.
+    engine = Engine(runner, ctx, tok, max_prefill_tokens=4)
+    req, box = collect(engine, long_ids, SamplingParams(max_new_tokens=5))
+    _, other = collect(engine, enc[1], greedy[1])
+    launch = engine._launch_next
+
+    def cancel_after_two_steps():
+        if engine.steps == 2:
+            engine.cancel(req)
+        return launch()
+
+    engine._launch_next = cancel_after_two_steps
+    engine.run(until_idle=True)
+    out["cancel_mid_prompt"] = {"result": as_dict(box["result"]), "free": len(engine.free),
+                                "steps": engine.steps, "other": as_dict(other["result"])}  # fmt: skip
 
     # 9. A request whose sink raises on its third token fails alone: the others in its batch
     #    finish as they do alone, and the engine goes on.
@@ -224,7 +246,7 @@ def scenarios(runner, ctx, tok):
     return out
 
 
-N_SCENARIOS = 8 + 1 + 1 + 3 + 1 + 1 + 1 + 1 + 2 + 1 + 1
+N_SCENARIOS = 8 + 1 + 1 + 3 + 1 + 1 + 1 + 1 + 2 + 1 + 1 + 2
 
 
 def main(model_dir, out_path, fault=False):

@@ -82,6 +82,16 @@ def test_long_prompt_is_prefilled_in_chunks_without_stalling_decodes(eng):
     # ...while the decoding request produced one token every step, never waiting.
     d = c["decoding"]
     assert d["last_step"] - d["first_step"] == len(d["token_ids"]) - 1 == 19
+    # Chunked (16 a step) = whole (one step of 60): the same tokens; whole took 5 + 1 steps.
+    assert c["whole"]["token_ids"] == c["long_alone"]["token_ids"]
+    assert c["steps_whole"] <= 6
+
+
+def test_a_request_cancelled_mid_prompt_ends_at_once_and_frees_its_slot(eng):
+    c = eng["cancel_mid_prompt"]
+    assert c["result"]["finish_reason"] == "cancelled" and c["result"]["token_ids"] == []
+    assert c["free"] == 4
+    assert c["other"]["token_ids"] == eng["alone"][1]["token_ids"]
 
 
 def test_a_fault_in_one_request_fails_that_request_alone(eng):
