@@ -169,10 +169,9 @@ class Engine:
 
     # -- rank 0's engine thread ------------------------------------------------------------------
     def warm_up(self) -> None:
-        """On a GPU, before the server says ready: a few requests of every decode batch size,
-        greedy and sampled (penalties, top-k/top-p, alternatives), through the whole step, so the
-        sampler's and the host's first-time costs (CUDA modules loaded on first launch, pinned
-        buffers) are paid here and not by the first clients. The other ranks run the steps."""
+        """On a GPU, before ready: requests of every decode batch size, greedy and sampled,
+        through the whole step: first-time costs (CUDA modules loaded on first launch, pinned
+        buffers) are paid here, not by the first clients. The other ranks run the steps."""
         if self.runner.device.type != "cuda":
             return
         t0 = time.perf_counter()
