@@ -19,6 +19,7 @@ LAZY: dict[str, tuple[str, str]] = {
     "transformers": ("bench", "the transformers baselines of the benchmarks"),
     "aiohttp": ("bench", "the served-speed benchmark's streaming clients"),
     "triton": ("", "the GPU kernels (it comes with CUDA builds of torch)"),
+    "pynvml": ("", "GPU utilization in the served benchmark (nvidia-ml-py; optional there)"),
     # The kernels themselves import Triton at the top, so they are imported on a GPU only.
     "mpinfer.kernels.w8a16": ("", "the int8 decode matmul on a GPU"),
     "mpinfer.kernels.dequant": ("", "the int8 prefill path on a GPU"),
