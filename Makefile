@@ -34,7 +34,7 @@ demo: install out/tiny/config.json
 
 serve: install out/tiny/config.json
 	@echo "The demo model on http://127.0.0.1:8080 (Ctrl-C stops it). From another terminal:"
-	@echo "  curl -s 127.0.0.1:8080/generate -d '{\"inputs\": \"Hello\", \"parameters\": {\"max_new_tokens\": 16}}'"
+	@echo "  curl -s 127.0.0.1:8080/generate --json '{\"inputs\": \"Hello\", \"parameters\": {\"max_new_tokens\": 16}}'"
 	$(BIN)/mpinfer serve $(DEMO)
 
 repl: install out/tiny/config.json

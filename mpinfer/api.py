@@ -59,9 +59,36 @@ def read_json(body: bytes, status: int) -> dict:
         raise ApiError(status, f"request body is not valid JSON: {e}") from None
     except RecursionError:
         raise ApiError(status, "request body nests too deeply to read") from None
+    except ValueError as e:  # an integer of more digits than Python converts (4300)
+        raise ApiError(status, f"request body holds a number too large to read: {e}") from None
     if not isinstance(data, dict):
         raise ApiError(status, "request body must be a JSON object")
+    try:  # JSON's \ud800 escapes make strings (keys too) that are not valid Unicode
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        where = surrogate_at(data)
+        raise ApiError(status, f"{where}: invalid Unicode (a lone surrogate)", field=where) from None
     return data
+
+
+def surrogate_at(value, where: str = "") -> str | None:
+    """Where in a parsed body the first string (or key) with a lone surrogate is."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(
+        value, list) else ()  # fmt: skip
+    for key, item in items:
+        at = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else key
+        if isinstance(key, str) and surrogate_at(key) is not None:
+            return f"{where or 'body'}: a key"
+        found = surrogate_at(item, at)
+        if found is not None:
+            return found
+    return None
 
 
 def check_text(value: str, where: str, status: int) -> str:

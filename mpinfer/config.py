@@ -81,6 +81,17 @@ class ServerConfig:
     # under torchrun's own 30 s grace period.
     shutdown_timeout: float = 20.0
     max_body_bytes: int = 1 << 20
+    # What one client may hold (guard.py): request line and headers, open connections, and how
+    # long a connection may stay open with no request in progress (its first one included).
+    max_header_bytes: int = 64 << 10
+    max_connections: int = 512
+    idle_timeout_s: float = 10.0
+    # Extra Host header names accepted when bound to loopback (comma-separated; "*": any).
+    allowed_hosts: str = ""
+    # Engine jobs one request may ask for (prompts x n x best_of).
+    max_jobs_per_request: int = 64
+    # /health answers 503 when no engine step completed for this long while work was pending.
+    stall_timeout_s: float = 30.0
     # Prompt tokens per engine step (they run in the same forward as the step's decode rows),
     # so a long prompt does not stall running decodes: docs/performance.md has the sweep.
     max_prefill_tokens: int = 512
@@ -137,7 +148,8 @@ class RunConfig:
             raise ValueError(f"generation.seed={g.seed} must be >= 0 (or -1: a random seed)")
         s = self.server
         for key in ("max_batch_slots", "max_seq_len", "max_queue", "max_body_bytes",
-                    "max_prefill_tokens"):  # fmt: skip
+                    "max_prefill_tokens", "max_header_bytes", "max_connections",
+                    "idle_timeout_s", "max_jobs_per_request", "stall_timeout_s"):  # fmt: skip
             if getattr(s, key) <= 0:
                 raise ValueError(f"server.{key}={getattr(s, key)} must be > 0")
         if s.prefill_hold_steps < 0:

@@ -30,53 +30,16 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from .detok import TextStream
 from .dist import DistContext
-from .request import EngineFailed, Event, QueueFull, Request, Result
+from .request import EngineFailed, Event, InFlight, QueueFull, Request, Result, Sequence
 from .memory import decode_buckets
 from .runner import IDLE, STEP, STOP, ModelRunner, Prefill, Step
 from .sampling import MAX_TOP_N, Row, Sampler, SamplingParams, prompt_token_logprobs
 
 log = logging.getLogger("mpinfer")
-
-
-class Sequence:
-    """A request in a slot (rank 0's bookkeeping). `pos` and `scheduled` count what has been
-    planned; `result` what has come back."""
-
-    def __init__(self, req: Request, slot: int, tokenizer):
-        self.req, self.slot = req, slot
-        self.prompt_left = list(req.prompt_ids)
-        self.pos = 0  # cache positions planned so far
-        self.scheduled = 0  # tokens whose sampling has been planned
-        self.done = False
-        self.stream = TextStream(tokenizer, req.params.stop)
-        self.result = Result(list(req.prompt_ids), seed=req.params.seed)
-        if req.params.prompt_logprobs >= 0:
-            self.result.prompt_logprobs = [None] * len(req.prompt_ids)
-            self.result.prompt_top_logprobs = [None] * len(req.prompt_ids)
-
-    @property
-    def decodable(self) -> bool:
-        return (not self.done and not self.prompt_left and 0 < self.scheduled
-                < self.req.params.max_new_tokens)  # fmt: skip
-
-
-@dataclass
-class InFlight:
-    """A launched step whose results have not been read yet."""
-
-    index: int
-    rows: list[Sequence]
-    packed: torch.Tensor | None  # (rows, width) float32 on the host once `ready` has fired
-    ready: torch.cuda.Event | None
-    # (sequence, first prompt position, lp (r,), top ids (r, k) | None, top lps (r, k) | None)
-    prompt: list[tuple[Sequence, int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
-    ends: list[Sequence]  # requests whose last planned work is in this step (max_new_tokens 0)
 
 
 class Engine:
@@ -105,6 +68,7 @@ class Engine:
         self.failed_requests = 0
         self.stopping = False
         self.failed = ""
+        self.progress_at = time.monotonic()  # the last time a step completed or it idled
 
     # -- any thread ------------------------------------------------------------------------------
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -129,18 +93,29 @@ class Engine:
             )
 
     def submit(self, prompt_ids, params: SamplingParams, sink: Callable[[Event], None]) -> Request:
-        self.check(prompt_ids, params)
-        if params.seed is None:  # an unseeded request still reports the seed it used
-            params = dataclasses.replace(params, seed=random.getrandbits(64))
-        req = Request(prompt_ids, params, sink)
+        return self.submit_all([(prompt_ids, params, sink)])[0]
+
+    def submit_all(self, jobs: list[tuple[list[int], SamplingParams, Callable]]) -> list[Request]:
+        """One client request's jobs, queued together or not at all; admission shares the slots
+        fairly between such groups (`_admit`)."""
+        reqs = []
+        for prompt_ids, params, sink in jobs:
+            self.check(prompt_ids, params)
+            if params.seed is None:  # an unseeded request still reports the seed it used
+                params = dataclasses.replace(params, seed=random.getrandbits(64))
+            reqs.append(Request(prompt_ids, params, sink))
         with self.cond:
             if self.failed or self.stopping:
                 raise EngineFailed(self.failed or "the server is shutting down")
-            if len(self.pending) >= self.max_queue:
-                raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
-            self.pending.append(req)
+            if len(self.pending) + len(reqs) > self.max_queue:
+                need = f"; this request needs {len(reqs)} places" if len(reqs) > 1 else ""
+                raise QueueFull(f"the request queue is full ({len(self.pending)} of "
+                                f"{self.max_queue} waiting{need})")  # fmt: skip
+            for r in reqs:
+                r.group = reqs[0].id
+            self.pending.extend(reqs)
             self.cond.notify()
-        return req
+        return reqs
 
     def cancel(self, req: Request) -> None:
         with self.cond:
@@ -158,6 +133,13 @@ class Engine:
         with self.cond:
             self.stopping = True
             self.cond.notify()
+
+    def stalled_for(self) -> float:
+        """Seconds since the last completed step while work is pending (0 when idle): a rank
+        that stopped (SIGSTOP, a hung collective) shows here long before the group's timeout."""
+        if not (self.pending or self.running):
+            return 0.0
+        return time.monotonic() - self.progress_at
 
     @property
     def queue_depth(self) -> int:
@@ -199,6 +181,7 @@ class Engine:
                         if until_idle:
                             break
                         self.cond.wait(self.heartbeat_s)
+                        self.progress_at = time.monotonic()
                         if not (self.pending or self.running or self.stopping):
                             self.channel.send(Step(IDLE))  # keep the other ranks' waits short
                             continue
@@ -207,6 +190,8 @@ class Engine:
                 launched = self._launch_next()
                 if inflight is not None:
                     self._complete(inflight)
+                if inflight is not None or launched is None:
+                    self.progress_at = time.monotonic()
                 inflight = launched
         except BaseException as e:
             self._fail(f"{type(e).__name__}: {e}")
@@ -266,19 +251,30 @@ class Engine:
         return host
 
     def _admit(self) -> None:
+        """Queued jobs into free slots, fairly between client requests: the next slot goes to
+        the group (one request's prompts x n x best_of) with the fewest jobs running, the
+        earliest first among equals; one request's fan-out cannot hold back another's."""
         with self.cond:
-            keep = collections.deque()
-            while self.pending:
-                req = self.pending.popleft()
+            running = collections.Counter(s.req.group for s in self.running.values())
+            waiting: dict[int, collections.deque] = {}
+            for req in self.pending:
                 if req.cancelled:
                     self._finish_unstarted(req)
-                elif self.free:
-                    slot = self.free.pop(0)
-                    self.running[slot] = Sequence(req, slot, self.tok)
-                    self.sampler.admit(slot, req.prompt_ids, req.params)
                 else:
-                    keep.append(req)
-            self.pending = keep
+                    waiting.setdefault(req.group, collections.deque()).append(req)
+            while self.free and waiting:
+                group = min(waiting, key=lambda g: (running[g], g))
+                req = waiting[group].popleft()
+                if not waiting[group]:
+                    del waiting[group]
+                running[group] += 1
+                slot = self.free.pop(0)
+                self.running[slot] = Sequence(req, slot, self.tok)
+                self.sampler.admit(slot, req.prompt_ids, req.params)
+            admitted = {id(s.req) for s in self.running.values()}
+            self.pending = collections.deque(
+                r for r in self.pending if not r.cancelled and id(r) not in admitted
+            )
 
     def _finish_unstarted(self, req: Request) -> None:
         result = Result(list(req.prompt_ids), finish_reason="cancelled", seed=req.params.seed)

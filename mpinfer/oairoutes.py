@@ -58,10 +58,10 @@ def make_router(state: State) -> APIRouter:
         state.require_ready()
         parsed = parse(await request.body(), state)
         names = {**NAMES, "max_new_tokens": parsed.options.get("max_key", "max_tokens")}
-        return parsed, Submission(state, parsed.jobs, status=STATUS, names=names)
+        return parsed, await Submission.create(state, parsed.jobs, status=STATUS, names=names)
 
     def error(request: Request, e: ApiError) -> JSONResponse:
-        state.count(request.url.path, e.status)
+        state.count(request, e.status)
         return JSONResponse(openai_error(e), status_code=e.status)
 
     # -- completions -----------------------------------------------------------------------------
@@ -72,7 +72,7 @@ def make_router(state: State) -> APIRouter:
             parsed, sub = await start(request, parse)
         except ApiError as e:
             return error(request, e)
-        state.count(request.url.path, 200)
+        state.count(request, 200)
         cid, created = f"{prefix}-{uuid.uuid4().hex[:24]}", unix_time()
         if parsed.stream:
             return StreamingResponse(streamer(request, sub, parsed, cid, created),

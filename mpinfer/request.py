@@ -4,6 +4,8 @@
     Event     token (one token and the text it adds) | done (with the Result) | error
     Result    everything generated: ids, text, finish reason, log-probabilities, timings
     QueueFull, EngineFailed   the two refusals of Engine.submit (HTTP 429, 503)
+    Sequence  a request in a cache slot (rank 0's bookkeeping)
+    InFlight  a launched engine step whose results have not been read yet
 
 What is not here: how requests are scheduled (engine.py).
 """
@@ -15,6 +17,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
+from .detok import TextStream
 from .sampling import SamplingParams
 
 
@@ -64,3 +69,39 @@ class Request:
         self.prompt_ids, self.params, self.sink = list(prompt_ids), params, sink
         self.arrival = time.perf_counter()
         self.cancelled = False
+        self.group = self.id  # the client request it belongs to (Engine.submit_all)
+
+
+class Sequence:
+    """A request in a slot (rank 0's bookkeeping). `pos` and `scheduled` count what has been
+    planned; `result` what has come back."""
+
+    def __init__(self, req: Request, slot: int, tokenizer):
+        self.req, self.slot = req, slot
+        self.prompt_left = list(req.prompt_ids)
+        self.pos = 0  # cache positions planned so far
+        self.scheduled = 0  # tokens whose sampling has been planned
+        self.done = False
+        self.stream = TextStream(tokenizer, req.params.stop)
+        self.result = Result(list(req.prompt_ids), seed=req.params.seed)
+        if req.params.prompt_logprobs >= 0:
+            self.result.prompt_logprobs = [None] * len(req.prompt_ids)
+            self.result.prompt_top_logprobs = [None] * len(req.prompt_ids)
+
+    @property
+    def decodable(self) -> bool:
+        return (not self.done and not self.prompt_left and 0 < self.scheduled
+                < self.req.params.max_new_tokens)  # fmt: skip
+
+
+@dataclass
+class InFlight:
+    """A launched step whose results have not been read yet."""
+
+    index: int
+    rows: list[Sequence]
+    packed: torch.Tensor | None  # (rows, width) float32 on the host once `ready` has fired
+    ready: torch.cuda.Event | None
+    # (sequence, first prompt position, lp (r,), top ids (r, k) | None, top lps (r, k) | None)
+    prompt: list[tuple[Sequence, int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
+    ends: list[Sequence]  # requests whose last planned work is in this step (max_new_tokens 0)

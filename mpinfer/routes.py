@@ -3,7 +3,8 @@ engine, plus operations: GET /health, /info, /metrics (Prometheus), /openapi.jso
 POST /tokenize, /detokenize and GET /tokenizer_info, so tools that tokenize on the server
 (lm-evaluation-harness) need no tokenizer of their own.
 
-Before any route: the bearer token (`server.api_key`, not on /health) and the body size limit.
+Before any route: guard.py's checks (the bearer token, body and header limits, JSON content
+type, the Host header). Metrics count requests by route template, unmatched paths as one label.
 Every error is JSON, in the route family's shape: a 4xx naming the field for bad input, 404/405
 for a wrong path or method, and for anything unexpected a 500 for that request alone (logged),
 never a crashed server. What is not here: request parsing (api.py, oai.py), the engine bridge
@@ -20,6 +21,7 @@ from starlette.exceptions import HTTPException
 
 from . import __version__, oairoutes, tgi
 from .api import ApiError, Fields, openai_error, read_json, tgi_error
+from .guard import BodyTooLarge, Guard
 from .schema import describe
 from .streams import State
 
@@ -30,7 +32,7 @@ OPENAI_SHAPED = ("/tokenize", "/detokenize", "/tokenizer_info")  # vLLM's routes
 def error_response(request: Request, e: ApiError, state: State | None = None) -> JSONResponse:
     openai = request.url.path.startswith("/v1/") or request.url.path in OPENAI_SHAPED
     if state is not None:
-        state.count(request.url.path, e.status)
+        state.count(request, e.status)
     return JSONResponse(openai_error(e) if openai else tgi_error(e), status_code=e.status)
 
 
@@ -40,19 +42,11 @@ def build_app(state: State) -> FastAPI:
                   "TGI and OpenAI-compatible routes.")  # fmt: skip
     cfg = state.cfg.server
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if cfg.api_key and request.url.path != "/health":
-            if request.headers.get("authorization", "") != f"Bearer {cfg.api_key}":
-                err = ApiError(401, "missing or wrong bearer token", field="authorization",
-                               kind="auth")  # fmt: skip
-                return error_response(request, err, state)
-        size = request.headers.get("content-length", "")
-        if size.isdigit() and int(size) > cfg.max_body_bytes:
-            return error_response(request, ApiError(
-                413, f"request body of {size} bytes is over the {cfg.max_body_bytes} byte limit",
-                kind="payload_too_large"), state)  # fmt: skip
-        return await call_next(request)
+    app.add_middleware(Guard, cfg=cfg, reject=lambda request, e: error_response(request, e, state))
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(request: Request, exc: BodyTooLarge):
+        return error_response(request, ApiError(413, str(exc), kind="payload_too_large"), state)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
@@ -82,8 +76,18 @@ def build_app(state: State) -> FastAPI:
     # -- operations ------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
-        code = 200 if state.status == "ready" else 503
-        return JSONResponse({"status": state.status}, status_code=code)
+        status = state.status
+        stalled = state.engine.stalled_for() if state.engine and status == "ready" else 0.0
+        if stalled > cfg.stall_timeout_s:
+            status = "stalled"
+            if not state.stall_logged:
+                log.error("no engine step completed for %.0f s with requests waiting (a rank "
+                          "stopped or a collective hangs): /health answers 503", stalled)  # fmt: skip
+            state.stall_logged = True
+        else:
+            state.stall_logged = False
+        code = 200 if status == "ready" else 503
+        return JSONResponse({"status": status}, status_code=code)
 
     @app.get("/info")
     async def info():
@@ -159,4 +163,15 @@ def build_app(state: State) -> FastAPI:
             lines += state.latency.render("mpinfer_request_latency_seconds")
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
+    state.paths = set(route_paths(app.routes))
     return app
+
+
+def route_paths(routes):
+    """Every path the app serves, included routers' too (the metrics' route labels)."""
+    for r in routes:
+        if isinstance(getattr(r, "path", None), str):
+            yield r.path
+        inner = getattr(r, "original_router", None)  # FastAPI's include_router, unprefixed here
+        if inner is not None:
+            yield from route_paths(inner.routes)

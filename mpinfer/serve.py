@@ -29,6 +29,7 @@ from .chat import load_chat_template
 from .config import RunConfig, add_config_args, config_from_args
 from .dist import DistContext, raise_everywhere
 from .launcher import add_launch_args
+from .guard import protocol_for
 from .routes import build_app
 from .runtime import run_rank, start
 from .streams import State
@@ -70,8 +71,11 @@ class StopRequested(Exception):
 
 
 def start_http(state: State, cfg: RunConfig) -> tuple[uvicorn.Server, threading.Thread]:
-    config = uvicorn.Config(build_app(state), host=cfg.server.host, port=cfg.server.port,
-                            log_level="warning", access_log=False)  # fmt: skip
+    s = cfg.server
+    config = uvicorn.Config(build_app(state), host=s.host, port=s.port, log_level="warning",
+                            access_log=False, http=protocol_for(s),
+                            h11_max_incomplete_event_size=s.max_header_bytes,
+                            timeout_keep_alive=max(1, int(s.idle_timeout_s)))  # fmt: skip
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # rank 0's main thread owns the signals
     thread = threading.Thread(target=server.run, name="http", daemon=True)

@@ -189,11 +189,12 @@ def shard_checkpoint(
         done[name] = files[name]
         _write_json_atomic(journal_path, {"settings": settings, "files": done})
     bar.close()
-    _copy_side_files(src, out)
+    side = _copy_side_files(src, out)
     manifest = {
         **settings,
         "model_config": config_dict,
         "files": [{"name": n, **files[n]} for n in sorted(files)],
+        "side_files": side,
         "host": socket.gethostname(),
         "mpinfer_version": __version__,
     }
@@ -235,20 +236,25 @@ def _write_rank(ckpt, specs, r, tp_size, dtype, out, name, bar) -> dict:
     return {"bytes": writer.nbytes, "sha256": sha}
 
 
-def _copy_side_files(src: Path, out: Path) -> None:
-    """config.json, tokenizer and generation files: everything that is not weights."""
-    for p in src.iterdir():
+def _copy_side_files(src: Path, out: Path) -> list[dict]:
+    """config.json, tokenizer and generation files: everything that is not weights; their
+    manifest entries (a server reads them too, so `verify` checks them as it checks weights)."""
+    entries = []
+    for p in sorted(src.iterdir()):
         if p.is_file() and p.suffix not in WEIGHT_SUFFIXES and not p.name.endswith(".index.json"):
             tmp = out / f"{p.name}.tmp-{os.getpid()}"
             shutil.copyfile(p, tmp)
             os.replace(tmp, out / p.name)
+            entries.append({"name": p.name, "bytes": (out / p.name).stat().st_size,
+                            "sha256": sha256_file(out / p.name)})  # fmt: skip
+    return entries
 
 
 def verify_dir(out: Path, *, quiet: bool = False) -> list[str]:
     """Every problem with DIR's files against its manifest (an empty list: all good)."""
     manifest = read_manifest(out)
     problems = []
-    for f in manifest["files"]:
+    for f in manifest["files"] + manifest.get("side_files", []):
         path = out / f["name"]
         if not path.exists():
             problems.append(f"{path}: missing")

@@ -86,8 +86,10 @@ class State:
         self.chat: ChatTemplate | None = None
         self.info: dict = {}
         self.requests = defaultdict(int)  # (route, status) -> count
+        self.paths: set[str] = set()  # the app's routes (build_app fills it)
         self.ttft, self.latency, self.tpot = Histogram(), Histogram(), Histogram()
         self.cancelled = 0
+        self.stall_logged = False
         self.lock = threading.Lock()
         self.dispatcher: Dispatcher | None = None
 
@@ -111,7 +113,11 @@ class State:
             "generation_defaults": dataclasses.asdict(g), "chat_template": chat.origin,
         }  # fmt: skip
 
-    def count(self, route: str, status: int) -> None:
+    def count(self, request, status: int) -> None:
+        """One answered request, labelled by its route (every unmatched path is one label, so
+        the metrics stay bounded whatever paths clients try)."""
+        path = request.url.path
+        route = path if path in self.paths else "unmatched"
         with self.lock:
             self.requests[(route, status)] += 1
 
@@ -128,33 +134,47 @@ class Submission:
     """The jobs of one HTTP request, in the engine: tokenized, submitted together (or none of
     them), events tagged with the job's index in one queue."""
 
-    def __init__(self, state: State, jobs: tuple[Job, ...], *, status: int, names: dict):
+    @classmethod
+    async def create(cls, state: State, jobs: tuple[Job, ...], *, status: int,
+                     names: dict) -> Submission:  # fmt: skip
+        """Check the request's size, tokenize its prompts on a worker thread (a megabyte of
+        text takes the tokenizer a second: the event loop, /health and every other client go
+        on meanwhile), then submit."""
+        state.require_ready()
+        most = state.cfg.server.max_jobs_per_request
+        if len(jobs) > most:
+            raise ApiError(status, f"this request asks for {len(jobs)} generations (prompts x n "
+                           f"x best_of); at most {most} (server.max_jobs_per_request)")  # fmt: skip
+        sub = cls(state, len(jobs))
+        if any(isinstance(job.prompt, str) or len(job.prompt) > 4096 for job in jobs):
+            await asyncio.to_thread(sub.submit, jobs, status, names)
+        else:
+            sub.submit(jobs, status, names)
+        return sub
+
+    def __init__(self, state: State, n_jobs: int):
         state.require_ready()
         self.state, self.queue = state, asyncio.Queue()
         if state.dispatcher is None:
             state.dispatcher = Dispatcher(asyncio.get_running_loop())
         self.prompt_ids: list[list[int]] = []
+        self.done = [False] * n_jobs
         self.reqs = []
-        self.done = [False] * len(jobs)
+
+    def submit(self, jobs: tuple[Job, ...], status: int, names: dict) -> None:
+        """Tokenize and queue every job (on a worker thread for text prompts)."""
+        state = self.state
+        sinks = [state.dispatcher.sink(self.queue, i) for i in range(len(jobs))]
+        self.prompt_ids = tokenize(state, jobs, status, names)
         try:
-            for i, job in enumerate(jobs):
-                ids = job.prompt
-                if isinstance(ids, str):
-                    check_text(ids, names.get("prompt", "prompt"), status)
-                    ids = state.tokenizer.encode(ids, add_special_tokens=False).ids
-                    if job.truncate:
-                        ids = ids[-job.truncate :]
-                self.prompt_ids.append(list(ids))
-                sink = state.dispatcher.sink(self.queue, i)
-                self.reqs.append(state.engine.submit(ids, job.params, sink))
+            self.reqs = state.engine.submit_all(
+                [(ids, job.params, sink) for ids, job, sink in zip(self.prompt_ids, jobs, sinks)]
+            )
         except QueueFull as e:
-            self.cancel()
             raise ApiError(429, str(e), kind="overloaded") from None
         except EngineFailed as e:
-            self.cancel()
             raise ApiError(503, str(e), kind="unavailable") from None
         except ValueError as e:  # the engine's checks: length, token ids, parameters
-            self.cancel()
             message = rename(str(e), names)
             raise ApiError(status, message, field=message.split(":", 1)[0]) from None
 
@@ -167,13 +187,17 @@ class Submission:
         """(job index, token or done Event) until every job is done; a failed job raises
         ApiError 500; if the client goes away (or the consumer stops), the rest is cancelled."""
         left = len(self.reqs)
+        checked = time.monotonic()
         try:
             while left:
+                # Every half second, tokens flowing or not: has the client gone away?
+                if time.monotonic() - checked >= 0.5:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        return
                 try:
                     i, ev = await asyncio.wait_for(self.queue.get(), timeout=0.5)
                 except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return
                     continue
                 if ev.kind == "error":
                     self.done[i] = True
@@ -201,6 +225,21 @@ class Submission:
         if any(r is None for r in results):
             return None
         return list(zip(results, tokens))
+
+
+def tokenize(state: State, jobs: tuple[Job, ...], status: int, names: dict) -> list[list[int]]:
+    out = []
+    for job in jobs:
+        ids = job.prompt
+        if isinstance(ids, str):
+            check_text(ids, names.get("prompt", "prompt"), status)
+            # encode_batch releases the GIL while it works (encode holds it: a megabyte kept
+            # every other thread, the event loop included, waiting 2 s on this machine).
+            ids = state.tokenizer.encode_batch([ids], add_special_tokens=False)[0].ids
+            if job.truncate:
+                ids = ids[-job.truncate :]
+        out.append(list(ids))
+    return out
 
 
 def unix_time() -> int:

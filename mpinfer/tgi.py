@@ -107,11 +107,12 @@ def make_router(state: State) -> APIRouter:
         try:
             state.require_ready()
             parsed = parse_tgi(await request.body(), state, stream=stream)
-            sub = Submission(state, parsed.jobs, status=STATUS, names={"prompt": "inputs"})
+            sub = await Submission.create(state, parsed.jobs, status=STATUS,
+                                          names={"prompt": "inputs"})
         except ApiError as e:
-            state.count(request.url.path, e.status)
+            state.count(request, e.status)
             return JSONResponse(tgi_error(e), status_code=e.status)
-        state.count(request.url.path, 200)
+        state.count(request, 200)
         if parsed.stream:
             return StreamingResponse(stream_events(request, sub, parsed),
                                      media_type="text/event-stream")  # fmt: skip

@@ -31,6 +31,7 @@ GROUPS = {
     "runtime": {"mpinfer.runtime", "mpinfer.launcher"},
     "faces": {
         "mpinfer.api",
+        "mpinfer.guard",
         "mpinfer.chat",
         "mpinfer.streams",
         "mpinfer.tgi",

@@ -284,7 +284,7 @@ def test_generation_routes_answer_503_until_the_engine_is_attached(status):
 
     state = State(load_config(overrides=["model.path=unused"]), model_name="m")
     state.status = status
-    client = TestClient(build_app(state))
+    client = TestClient(build_app(state), base_url="http://127.0.0.1:8080")
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     for route, body in [("/v1/chat/completions", chat), ("/v1/completions", {"prompt": "a"}),
                         ("/generate", {"inputs": "a"}), ("/generate_stream", {"inputs": "a"}),

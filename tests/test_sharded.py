@@ -96,6 +96,19 @@ def test_verify_names_an_altered_file(sharded2, tmp_path):
     assert f"ok  {rank_file(0, 2)}" in proc.stdout
 
 
+def test_verify_covers_the_tokenizer_and_config_files(sharded2, tmp_path):
+    """A server reads the tokenizer and config.json of a sharded checkpoint as much as its
+    weights: an edited tokenizer.json fails `verify`, naming the file."""
+    bad = shutil.copytree(sharded2, tmp_path / "bad-tok")
+    tok = bad / "tokenizer.json"
+    tok.write_text(tok.read_text().replace('"model"', '"model" ', 1))
+    proc = subprocess.run([sys.executable, "-m", "mpinfer.cli", "verify", str(bad)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 1
+    assert f"BAD {tok}: " in proc.stdout
+    assert "ok  config.json" in proc.stdout
+
+
 def altered(src, dst, edit):
     d = shutil.copytree(src, dst)
     edit(d)

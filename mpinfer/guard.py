@@ -1,0 +1,154 @@
+"""What stands between the network and the routes, on rank 0: limits that hold whatever a client
+sends, checked before any route parses a byte. What is not here: the routes (routes.py, tgi.py,
+oairoutes.py) and request parsing (api.py, oai.py).
+
+The connection (`GuardedH11`, uvicorn's h11 protocol with three additions):
+- a connection with no request in progress is closed after `server.idle_timeout_s`, whether it
+  never sent anything, sends its headers a byte at a time, or idles between requests;
+- past `server.max_connections` open connections a new one gets a 503 and is closed at once;
+- a request line and headers over `server.max_header_bytes` get h11's 431/400 and a close.
+
+The request (`Guard`, an ASGI middleware):
+- `server.api_key`: a bearer token on every route but /health (401);
+- the body: `server.max_body_bytes` whatever the transfer encoding: a Content-Length over it is
+  refused before reading, a chunked body as soon as what arrived passes it (413); nothing
+  larger is ever held;
+- POST routes take `application/json` only (415): a browser page cannot send that to another
+  origin without a CORS preflight, which this server never grants, so a drive-by request from
+  any web page the user opens cannot reach the model;
+- bound to loopback, the `Host` header must name this host (127.0.0.1, localhost, [::1], with
+  or without the port) or one of `server.allowed_hosts` (421): a DNS-rebinding page, whose
+  requests carry its own domain, gets nothing.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+
+from fastapi import Request
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .api import ApiError
+from .config import ServerConfig
+
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+
+class BodyTooLarge(Exception):
+    """A request body passed `server.max_body_bytes` while it was being read."""
+
+
+def is_loopback_bind(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts(cfg: ServerConfig) -> set[str] | None:
+    """Host header values accepted (None: any, when not bound to loopback or told '*')."""
+    extra = {h.strip().lower() for h in cfg.allowed_hosts.split(",") if h.strip()}
+    if "*" in extra or not is_loopback_bind(cfg.host):
+        return None
+    names = set(LOOPBACK_NAMES) | extra
+    return names | {f"{n}:{cfg.port}" for n in names}
+
+
+class Guard:
+    """The per-request checks above, as ASGI middleware; `reject(request, ApiError)` answers in
+    the route family's error shape."""
+
+    def __init__(self, app, *, cfg: ServerConfig, reject):
+        self.app, self.cfg, self.reject = app, cfg, reject
+        self.hosts = allowed_hosts(cfg)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request = Request(scope)
+        error = self.check(request)
+        if error is not None:
+            return await self.reject(request, error)(scope, receive, send)
+        limit, seen = self.cfg.max_body_bytes, 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise BodyTooLarge(f"request body is over the {limit} byte limit")
+            return message
+
+        await self.app(scope, limited, send)
+
+    def check(self, request: Request) -> ApiError | None:
+        cfg, headers = self.cfg, request.headers
+        if self.hosts is not None and headers.get("host", "").lower() not in self.hosts:
+            return ApiError(421, f"Host {headers.get('host', '')!r} is not this server (bound to "
+                            f"{cfg.host}; server.allowed_hosts adds names)", field="host",
+                            kind="misdirected")  # fmt: skip
+        if cfg.api_key and request.url.path != "/health":
+            if headers.get("authorization", "") != f"Bearer {cfg.api_key}":
+                return ApiError(401, "missing or wrong bearer token", field="authorization",
+                                kind="auth")  # fmt: skip
+        size = headers.get("content-length", "")
+        if size.isdigit() and int(size) > cfg.max_body_bytes:
+            return ApiError(413, f"request body of {size} bytes is over the "
+                            f"{cfg.max_body_bytes} byte limit", kind="payload_too_large")  # fmt: skip
+        if request.method == "POST":
+            media = headers.get("content-type", "").split(";")[0].strip().lower()
+            if media != "application/json":
+                return ApiError(415, f"Content-Type {media or 'missing'!r}: this route takes "
+                                "application/json", field="content-type",
+                                kind="unsupported_media_type")  # fmt: skip
+        return None
+
+
+class GuardedH11(H11Protocol):
+    """uvicorn's h11 protocol with an idle timeout that also covers a connection's first request
+    and a cap on open connections (`configure` sets both from the server config)."""
+
+    idle_timeout_s = 10.0
+    max_connections = 512
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            body = b'{"error": "too many open connections", "error_type": "overloaded"}'
+            transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                            b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
+                            % (len(body), body))  # fmt: skip
+            transport.close()
+            return
+        self.idle_since = time.monotonic()
+        self.idle_timer = self.loop.call_later(self.idle_timeout_s, self.check_idle)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self.idle_since = time.monotonic()
+
+    def check_idle(self) -> None:
+        """Close the connection if no request has been in progress for idle_timeout_s."""
+        busy = self.cycle is not None and not self.cycle.response_complete
+        waited = time.monotonic() - self.idle_since
+        if not busy and waited >= self.idle_timeout_s:
+            self.transport.close()
+            return
+        delay = self.idle_timeout_s if busy else self.idle_timeout_s - waited
+        self.idle_timer = self.loop.call_later(delay, self.check_idle)
+
+    def connection_lost(self, exc) -> None:
+        timer = getattr(self, "idle_timer", None)
+        if timer is not None:
+            timer.cancel()
+        super().connection_lost(exc)
+
+
+def protocol_for(cfg: ServerConfig) -> type[GuardedH11]:
+    """A GuardedH11 subclass carrying this server's limits (uvicorn builds it per connection)."""
+    return type("MpinferH11", (GuardedH11,), {"idle_timeout_s": cfg.idle_timeout_s,
+                                              "max_connections": cfg.max_connections})

@@ -1,0 +1,222 @@
+"""What a hostile client tries, against a real server over real sockets (guard.py, streams.py,
+the engine's admission and watchdog): each test is a probe that got through before these limits
+existed. One server for the module (2 ranks, the tiny model), with limits small enough to reach
+quickly; the stalled-rank probe runs last, on a server of its own."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from .conftest import Server
+
+LIMITS = ("server.max_seq_len=2048", "server.max_batch_slots=2", "server.max_queue=64",
+          "server.idle_timeout_s=2", "server.max_connections=40",
+          "server.max_jobs_per_request=16", "server.max_body_bytes=1100000")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def guarded(ckpts):
+    s = Server(ckpts["st_sharded"], *LIMITS)
+    yield s
+    s.stop()
+
+
+def rss_mib(server) -> float:
+    return psutil.Process(server.ranks[0].pid).memory_info().rss / 2**20
+
+
+def health_ok(server) -> bool:
+    return httpx.get(server.url + "/health", timeout=5).status_code == 200
+
+
+SAMPLE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_]+="([^"\\\n]|\\.)*",?)*\})? \S+$')
+
+
+def test_metrics_stay_parseable_and_bounded_whatever_paths_clients_try(guarded):
+    """A 404 path holding a quote, a brace and a newline, and 300 distinct 20 KB paths: the
+    page still parses line by line as Prometheus text, and it does not grow with the paths."""
+    httpx.get(guarded.url + '/x%22%7D%0Aevil_metric%201', timeout=5)
+    before = len(httpx.get(guarded.url + "/metrics", timeout=5).text)
+    with httpx.Client(timeout=10) as c:
+        for i in range(300):
+            c.get(f"{guarded.url}/{i}-{'a' * 20000}")
+    page = httpx.get(guarded.url + "/metrics", timeout=5).text
+    for line in page.splitlines():
+        assert line.startswith("#") or SAMPLE.match(line), line[:200]
+    assert "evil_metric" not in page and 'route="unmatched"' in page
+    assert len(page) < before + 200  # one more count, no new series
+
+
+def test_a_chunked_body_over_the_limit_is_refused_while_it_arrives(guarded):
+    """max_body_bytes holds for Transfer-Encoding: chunked too: an 8 MiB chunked body gets a
+    413 (the server stops reading at the limit), and rank 0 holds none of it afterwards."""
+    before = rss_mib(guarded)
+
+    def body():
+        for _ in range(128):
+            yield b"x" * 65536
+
+    r = httpx.post(guarded.url + "/generate", content=body(), timeout=30,
+                   headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 413 and "limit" in r.json()["error"]
+    assert health_ok(guarded)
+    assert rss_mib(guarded) - before < 32
+
+
+def test_a_client_that_gives_up_on_a_plain_request_frees_its_slot(guarded):
+    """A non-streaming request whose client leaves after 1 s (curl -m1) is cancelled within
+    about a second: its slot is free and the cancellation counted."""
+    cancelled = guarded.metric("mpinfer_cancelled_requests_total")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(guarded.url + "/generate", timeout=1,
+                   json={"inputs": "the river", "parameters": {"max_new_tokens": 2000}})  # fmt: skip
+    deadline = time.time() + 5
+    while time.time() < deadline and guarded.metric("mpinfer_running_slots") > 0:
+        time.sleep(0.1)
+    assert guarded.metric("mpinfer_running_slots") == 0
+    assert guarded.metric("mpinfer_cancelled_requests_total") == cancelled + 1
+
+
+def test_oversized_headers_are_refused_and_cost_nothing(guarded):
+    """A 2 MB header: refused by the HTTP parser before the app (431), RSS flat, health up."""
+    before = rss_mib(guarded)
+    with socket.create_connection(("127.0.0.1", guarded.port), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 2_000_000)
+        try:
+            reply = s.recv(200)
+        except ConnectionResetError:
+            reply = b"reset"
+    assert not reply.startswith(b"HTTP/1.1 200"), reply
+    assert health_ok(guarded)
+    assert rss_mib(guarded) - before < 16
+
+
+def test_one_requests_fan_out_cannot_starve_another(guarded):
+    """Too many generations in one request is a 4xx naming the limit; within it, a request of
+    16 prompts x 40 tokens and a 2-token request sent just after: with 2 slots, the small one
+    is admitted at the next free slot (fair admission by request), not after all 16."""
+    r = httpx.post(guarded.url + "/v1/completions", timeout=10,
+                   json={"prompt": ["a"] * 9, "n": 2, "max_tokens": 2})  # fmt: skip
+    assert r.status_code == 400 and "max_jobs_per_request" in r.json()["error"]["message"]
+    ends = {}
+
+    def big():
+        httpx.post(guarded.url + "/v1/completions", timeout=120,
+                   json={"prompt": [f"p{i}" for i in range(16)], "max_tokens": 40})  # fmt: skip
+        ends["big"] = time.time()
+
+    t = threading.Thread(target=big)
+    t.start()
+    time.sleep(0.3)
+    r = httpx.post(guarded.url + "/v1/completions", timeout=120,
+                   json={"prompt": "small", "max_tokens": 2})  # fmt: skip
+    ends["small"] = time.time()
+    t.join()
+    assert r.status_code == 200
+    assert ends["small"] < ends["big"] - 0.5, ends
+
+
+def test_megabyte_prompts_are_tokenized_off_the_event_loop(guarded):
+    """Four 1 MB prompts at once (over max_seq_len: refused once tokenized): /health keeps
+    answering in well under a second while the tokenizer works."""
+    text = " ".join(f"w{i % 5000}" for i in range(180_000))[:1_000_000]
+    slowest = []
+
+    def post():
+        httpx.post(guarded.url + "/generate", json={"inputs": text}, timeout=120)
+
+    threads = [threading.Thread(target=post) for _ in range(4)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        t0 = time.perf_counter()
+        httpx.get(guarded.url + "/health", timeout=30)
+        slowest.append(time.perf_counter() - t0)
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert max(slowest) < 0.75, max(slowest)
+
+
+def test_browser_and_rebinding_requests_are_refused(guarded):
+    """A form-encoded or text/plain POST (what a web page may send anywhere without asking)
+    gets a 415; a foreign Host header (DNS rebinding) a 421; JSON from this host works."""
+    body = '{"inputs": "hi", "parameters": {"max_new_tokens": 1}}'
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"content-type": ctype} if ctype else {}
+        r = httpx.post(guarded.url + "/generate", content=body, headers=headers, timeout=10)
+        assert r.status_code == 415, (ctype, r.text)
+    r = httpx.post(guarded.url + "/generate", content=body, timeout=10,
+                   headers={"content-type": "application/json", "host": "evil.example:80"})  # fmt: skip
+    assert r.status_code == 421 and "allowed_hosts" in r.json()["error"]
+    r = httpx.post(guarded.url + "/generate", content=body, timeout=10,
+                   headers={"content-type": "application/json; charset=utf-8"})  # fmt: skip
+    assert r.status_code == 200
+
+
+def test_idle_and_excess_connections_are_closed(guarded):
+    """60 connections that send nothing: past max_connections (40) each gets a 503 at once (a
+    health check too, promptly); the rest are closed by the server after idle_timeout_s (2 s),
+    and /health answers again."""
+    socks = [socket.create_connection(("127.0.0.1", guarded.port), timeout=10) for _ in range(60)]
+    try:
+        time.sleep(0.3)
+        refused = 0
+        for s in socks[40:]:
+            s.settimeout(2)
+            refused += s.recv(100).startswith(b"HTTP/1.1 503")
+        assert refused >= 15
+        # A health check now is one connection too many: a prompt, clear 503 (not a hang).
+        t0 = time.perf_counter()
+        assert httpx.get(guarded.url + "/health", timeout=5).status_code in (200, 503)
+        assert time.perf_counter() - t0 < 1
+        time.sleep(2.5)
+        closed = 0
+        for s in socks[:40]:
+            s.settimeout(2)
+            try:
+                closed += s.recv(100) == b""
+            except (ConnectionResetError, TimeoutError):
+                pass
+        assert closed >= 35
+    finally:
+        for s in socks:
+            s.close()
+    assert health_ok(guarded)
+
+
+def test_a_stopped_rank_turns_health_to_503_long_before_the_timeout(ckpts):
+    """SIGSTOP on rank 1 while a request runs: within stall_timeout_s (2 s, parallel.timeout_s
+    is 20) /health says 503 "stalled"; SIGCONT and the request completes, /health 200 again."""
+    s = Server(ckpts["st_sharded"], "server.stall_timeout_s=2", "server.max_seq_len=512")
+    try:
+        rank1 = s.ranks[1]
+        rank1.send_signal(signal.SIGSTOP)
+        result = {}
+        t = threading.Thread(target=lambda: result.update(r=httpx.post(
+            s.url + "/generate", json={"inputs": "the", "parameters": {"max_new_tokens": 8}},
+            timeout=60)))  # fmt: skip
+        t.start()
+        deadline, status = time.time() + 8, None
+        while time.time() < deadline:
+            r = httpx.get(s.url + "/health", timeout=5)
+            status = (r.status_code, r.json()["status"])
+            if status[0] == 503:
+                break
+            time.sleep(0.2)
+        assert status == (503, "stalled")
+        rank1.send_signal(signal.SIGCONT)
+        t.join(timeout=30)
+        assert result["r"].status_code == 200
+        assert health_ok(s)
+    finally:
+        s.ranks[1].send_signal(signal.SIGCONT)
+        s.stop()
