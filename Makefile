@@ -11,13 +11,19 @@ DEMO := --nproc 2 --config configs/tiny-cpu.toml
 
 .PHONY: install demo serve repl test clean
 
+# `make demo` needs only what running needs; `make test` adds the test clients on top.
 $(BIN)/mpinfer: pyproject.toml
+	@echo "== a virtual environment in $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch first: an unpinned dependency would otherwise pull a multi-GB CUDA build.
+	@echo "== $(TORCH) first (an unpinned dependency would pull a multi-GB CUDA build)"
 	$(BIN)/pip install -q $(TORCH)
-	# setuptools' default editable mode (its import hook); it prints a BuildBackendWarning
-	# whatever the mode, and the 'compat' mode's says it will be removed.
+	@echo "== mpinfer and what it needs to run (setuptools prints a BuildBackendWarning)"
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.test-extras: $(BIN)/mpinfer
+	@echo "== the test extras: transformers, the client tools the suite drives (a few minutes)"
 	$(BIN)/pip install -q -e '.[test]'
 	# Hugging Face's text-generation client (a test client) pins huggingface_hub<1.0, which
 	# transformers 5 cannot use; it works with the newer hub, so it goes in without its pins.
@@ -27,6 +33,7 @@ $(BIN)/mpinfer: pyproject.toml
 install: $(BIN)/mpinfer
 
 out/tiny/config.json: | install
+	@echo "== a tiny random BLOOM in out/tiny"
 	$(BIN)/mpinfer make-tiny out/tiny --layers 2 --hidden 64 --heads 4 --vocab 1024
 
 demo: install out/tiny/config.json
@@ -40,7 +47,7 @@ serve: install out/tiny/config.json
 repl: install out/tiny/config.json
 	$(BIN)/mpinfer repl $(DEMO)
 
-test: install
+test: $(VENV)/.test-extras
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 clean:

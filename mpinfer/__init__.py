@@ -8,4 +8,9 @@ benchmarks, make-tiny, diagnostics) import the product; the product never import
 heavy is imported here.
 """
 
-__version__ = "0.2.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:  # one version string: the installed package's (pyproject.toml)
+    __version__ = version("mpinfer")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0.0.0+source"

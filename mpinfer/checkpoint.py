@@ -46,10 +46,16 @@ class CheckpointError(ValueError):
 
 def read_config(model_dir: str | os.PathLike) -> dict:
     path = Path(model_dir) / "config.json"
+    if Path(model_dir).is_file():
+        raise CheckpointError(f"--model {model_dir} is a file; expected a model directory "
+                              "(config.json, tokenizer.json and the weights)")  # fmt: skip
     if not Path(model_dir).is_dir():
-        raise CheckpointError(f"model directory {model_dir} does not exist")
+        raise CheckpointError(f"model directory {model_dir} does not exist (a Hub model id is "
+                              "org/name)")  # fmt: skip
     if not path.is_file():
-        raise CheckpointError(f"{path} is missing: not a model directory")
+        held = sorted(p.name for p in Path(model_dir).iterdir())[:6]
+        raise CheckpointError(f"{model_dir} has no config.json, so it is not a model directory "
+                              f"(it holds: {', '.join(held) or 'nothing'})")  # fmt: skip
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:

@@ -15,10 +15,12 @@ import importlib
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from pathlib import Path
 
+from .checkpoint import read_config
 from .config import add_config_args, config_from_args, load_config, parse_bytes
 from .dist import broadcast_object
 from .hostmem import HostMemoryMonitor, return_large_frees_to_os
@@ -77,6 +79,38 @@ def split_launch_args(argv: list[str]) -> tuple[Topology | None, list[str]]:
     return Topology(known.nproc, known.nnodes, known.node_rank, addr, port), rest
 
 
+PARSERS = {"serve": "mpinfer.serve:parser", "repl": "mpinfer.repl:parser",
+           "generate": "mpinfer.cli:generate_parser"}  # fmt: skip
+
+
+def check_before_spawning(cmd: str, argv: list[str], topo: Topology) -> None:
+    """What can be known before any rank starts, said once (a ValueError): the configuration,
+    the model (a Hub id is fetched here, once), the tensor-parallel size against the heads,
+    and for `serve` on rank 0's host whether its port can be bound."""
+    module, func = PARSERS[cmd].split(":")
+    args = getattr(importlib.import_module(module), func)().parse_args(argv)
+    cfg = config_from_args(args)
+    shape = BloomShape.from_config(read_config(cfg.model.path))
+    world = topo.nproc * topo.nnodes
+    if cfg.parallel.tp_size and cfg.parallel.tp_size != world:
+        raise ValueError(f"parallel.tp_size={cfg.parallel.tp_size} but {world} ranks were asked "
+                         "for (--nproc x --nnodes): they must be equal")  # fmt: skip
+    if shape.n_head % world:
+        raise ValueError(f"{world} ranks: the model's n_head={shape.n_head} is not divisible by "
+                         f"{world}; tensor-parallel sizes that work: "
+                         f"{', '.join(map(str, tp_sizes_for(shape, most=64)))}")  # fmt: skip
+    if cmd == "serve" and topo.node_rank == 0:
+        s = cfg.server
+        family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((s.host, s.port))
+            except OSError as e:
+                raise ValueError(f"cannot serve on {s.host}:{s.port}: {e.strerror} (another "
+                                 "server there? --port or server.port picks another)") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
@@ -92,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             topo, rest = split_launch_args(rest)
             if topo is not None and "LOCAL_RANK" not in os.environ:
+                check_before_spawning(cmd, rest, topo)
                 return launch(topo, cmd, rest)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
@@ -187,7 +222,10 @@ def parse_ranks(text: str) -> list[int]:
 
 
 def shard_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mpinfer shard", description=shard_checkpoint.__doc__,
+    p = argparse.ArgumentParser(prog="mpinfer shard", description="Quantize an HF checkpoint "
+                                "and cut it into one safetensors file per tensor-parallel rank, "
+                                "plus a manifest, in one pass with bounded host RAM; a rerun "
+                                "resumes where an interrupted one stopped.",
                                 epilog="example: mpinfer shard --model /data/bloom --tp 8 "
                                 "--out /data/bloom-int8-tp8")  # fmt: skip
     p.add_argument("--model", required=True, help="HF checkpoint directory")

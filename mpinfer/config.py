@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import tomllib
+
+from .extras import require
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANT_METHODS = ("int8", "llm.int8", "none")
@@ -35,6 +38,8 @@ class ModelConfig:
     # Device memory mpinfer may use per rank, e.g. "22GiB"; "" = all of it. Checked before
     # loading: a model that does not fit is refused with the numbers.
     memory_budget: str = ""
+    # With a Hub model id as path: the branch, tag or commit to use ("" = main).
+    revision: str = ""
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,8 @@ class ServerConfig:
     # fuller mixed steps): 0 never waits. On the H200 mix, 4 with a 256 budget cut the
     # inter-token p99 (27 -> 22 ms) but cost TTFT and throughput (docs/performance.md).
     prefill_hold_steps: int = 0
+    # Serve /docs and /redoc (Swagger UI and ReDoc, whose scripts come from a CDN).
+    docs: bool = False
     # Capture the decode step in CUDA graphs (one per batch-size bucket) on GPUs.
     cuda_graphs: bool = True
     # A Jinja chat template file for /v1/chat/completions; "" = the tokenizer's, else BLOOM's
@@ -188,6 +195,12 @@ def _check_type(key: str, value: Any, annotation: str) -> Any:
     )
 
 
+def closest(word: str, choices, prefix: str = "") -> str:
+    """ ': did you mean X?' for the nearest choice, if one is near."""
+    near = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f": did you mean {prefix}{near[0]}?" if near else ""
+
+
 def _build(data: dict[str, Any]) -> RunConfig:
     sections = {}
     for sec_field in dataclasses.fields(RunConfig):
@@ -199,14 +212,15 @@ def _build(data: dict[str, Any]) -> RunConfig:
         values = {}
         for key, value in raw.items():
             if key not in known:
-                raise ValueError(
-                    f"unknown config key {sec_field.name}.{key} (known: {', '.join(known)})"
-                )
+                raise ValueError(f"unknown config key {sec_field.name}.{key}"
+                                 f"{closest(key, known, sec_field.name + '.')} (known in "
+                                 f"[{sec_field.name}]: {', '.join(known)})")  # fmt: skip
             values[key] = _check_type(f"{sec_field.name}.{key}", value, known[key].type)
         sections[sec_field.name] = sec_cls(**values)
-    unknown = set(data) - set(sections)
+    unknown = sorted(set(data) - set(sections))
     if unknown:
-        raise ValueError(f"unknown config section(s): {', '.join(sorted(unknown))}")
+        raise ValueError(f"unknown config section [{unknown[0]}]{closest(unknown[0], sections)} "
+                         f"(sections: {', '.join(sections)})")  # fmt: skip
     return RunConfig(**sections).validate()
 
 
@@ -275,10 +289,45 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         overrides.append(f"quant.method={_toml_str(args.quant)}")
     if args.dtype:
         overrides.append(f"model.dtype={_toml_str(args.dtype)}")
+    if getattr(args, "host", None):  # the server's shortcuts
+        overrides.append(f"server.host={_toml_str(args.host)}")
+    if getattr(args, "port", None) is not None:
+        overrides.append(f"server.port={args.port}")
     cfg = load_config(args.config, overrides)
     if not cfg.model.path:
         raise ValueError("no model: pass --model DIR or set model.path in the config")
-    return cfg
+    path = resolve_model(cfg.model.path, cfg.model.revision)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path))
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def resolve_model(path: str, revision: str = "") -> str:
+    """model.path as a directory: a path that exists is always a path; `org/name` that does not
+    is a Hugging Face Hub model id, downloaded (with a progress bar) into the Hub cache, or
+    found there offline (HF_HUB_OFFLINE=1); its snapshot directory is the model directory."""
+    if Path(path).exists() or not HUB_ID.fullmatch(path):
+        return path
+    hub = require("huggingface_hub")
+    kw = dict(repo_id=path, revision=revision or None)
+    try:
+        # Weights in safetensors where the repo has them (BLOOM repos also ship .bin, flax, tf).
+        local = hub.snapshot_download(**kw, allow_patterns=["*.json", "*.safetensors", "*.txt",
+                                                            "*.model", "*.jinja"])  # fmt: skip
+        if not any(Path(local).glob("*.safetensors")):
+            local = hub.snapshot_download(**kw, allow_patterns=["*.json", "*.bin", "*.txt"])
+    except hub.errors.RepositoryNotFoundError:
+        raise ValueError(f"--model {path}: no such directory here, and no such model on the "
+                         "Hugging Face Hub") from None  # fmt: skip
+    except hub.errors.RevisionNotFoundError:
+        raise ValueError(f"model.revision={revision!r}: not a revision of {path}") from None
+    except (hub.errors.LocalEntryNotFoundError, OSError) as e:
+        raise ValueError(f"--model {path}: no such directory here, and the Hub model is not in "
+                         f"the Hub cache ({hub.constants.HF_HUB_CACHE}) while the Hub cannot be "
+                         f"reached ({type(e).__name__}); download it once online, or pass a "
+                         "directory") from None  # fmt: skip
+    return local
 
 
 def _toml_str(text: str) -> str:

@@ -20,6 +20,8 @@ LAZY: dict[str, tuple[str, str]] = {
     "aiohttp": ("bench", "the served-speed benchmark's streaming clients"),
     "triton": ("", "the GPU kernels (it comes with CUDA builds of torch)"),
     "pynvml": ("", "GPU utilization in the served benchmark (nvidia-ml-py; optional there)"),
+    # A dependency, imported only when --model names a Hub model (it takes half a second).
+    "huggingface_hub": ("", "a Hub model id as --model"),
     # The kernels themselves import Triton at the top, so they are imported on a GPU only.
     "mpinfer.kernels.w8a16": ("", "the int8 decode matmul on a GPU"),
     "mpinfer.kernels.dequant": ("", "the int8 prefill path on a GPU"),
@@ -34,6 +36,7 @@ def require(module: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        hint = f"pip install 'mpinfer[{extra}]'" if extra else "a CUDA build of torch"
+        hint = (f"pip install 'mpinfer[{extra}]'" if extra else "a CUDA build of torch"
+                if module.startswith(("triton", "mpinfer.kernels")) else f"pip install {module}")
         raise ValueError(f"{why} needs {module.split('.')[0]}, which is not available ({e}): "
                          f"{hint}") from None  # fmt: skip

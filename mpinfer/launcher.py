@@ -5,7 +5,7 @@ Each rank is `python -m mpinfer.cli SUBCOMMAND ...` with the environment torchru
 terminal's Ctrl-C reaches the launcher alone; rank 0 keeps the launcher's stdin. What a service
 manager needs from it:
 
-- SIGTERM or SIGINT: passed on to rank 0 as SIGTERM; it drains (the server: up to
+- SIGTERM or SIGINT: passed on to rank 0 (as it came to a server, else as SIGTERM); it drains (the server: up to
   `server.shutdown_timeout`) and tells the other ranks to stop; the launcher exits with the
   ranks' status, 0 after a clean drain, without a traceback. A second signal kills every rank
   at once and exits 128 + the signal's number (so does the first, on a host without rank 0).
@@ -92,7 +92,8 @@ def launch(topo: Topology, subcommand: str, argv: list[str], *, grace_s: float =
     def on_signal(signum, _frame):
         signals.append(signum)
         if len(signals) == 1 and topo.node_rank == 0:
-            procs[0].send_signal(signal.SIGTERM)  # rank 0 drains and stops the others
+            # rank 0 drains; the server logs the signal by its own name (others take SIGTERM)
+            procs[0].send_signal(signum if subcommand == "serve" else signal.SIGTERM)
         else:  # a second signal, or a host without rank 0 (the job cannot go on without it)
             for p in procs:
                 p.kill()
@@ -124,7 +125,9 @@ def launch(topo: Topology, subcommand: str, argv: list[str], *, grace_s: float =
 def add_launch_args(p: argparse.ArgumentParser) -> None:
     """The launcher's options (read by `main` before the subcommand runs; shown in its help)."""
     g = p.add_argument_group("starting the ranks (without torchrun)")
-    g.add_argument("--nproc", type=int, help="start N ranks on this host (tp size N)")
+    g.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", type=int,
+                   help="start N ranks on this host (tp size N); --nproc-per-node is torchrun's "
+                   "spelling of the same")  # fmt: skip
     g.add_argument("--nnodes", type=int, default=1, help="hosts in the job (default 1)")
     g.add_argument("--node-rank", type=int, default=0, help="this host's index (0: rank 0's)")
     g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address")

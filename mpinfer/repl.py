@@ -316,7 +316,7 @@ def run_repl(backend, defaults: SamplingParams, term: Terminal) -> int:
         print(line, file=sys.stdout if term.tty else sys.stderr, flush=True)
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mpinfer repl", description="interactive generation",
         epilog="examples:\n  mpinfer repl --nproc 2 --config configs/tiny-cpu.toml\n"
@@ -333,7 +333,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def repl_main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     if args.url:
         backend = HttpBackend(args.url, args.api_key)
         try:

@@ -37,7 +37,11 @@ def error_response(request: Request, e: ApiError, state: State | None = None) ->
 
 
 def build_app(state: State) -> FastAPI:
-    app = FastAPI(title="mpinfer", version=__version__,
+    # Swagger UI and ReDoc load their scripts from a CDN: a blank page offline, and a page
+    # that runs third-party code; on only with server.docs (/openapi.json is always there).
+    docs = state.cfg.server.docs
+    app = FastAPI(title="mpinfer", version=__version__, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None,
                   description="BLOOM-class models with int8 weights and tensor parallelism: "
                   "TGI and OpenAI-compatible routes.")  # fmt: skip
     cfg = state.cfg.server

@@ -54,10 +54,6 @@ def parser() -> argparse.ArgumentParser:
 
 def serve_main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    if args.host:
-        args.overrides.append(f'server.host="{args.host}"')
-    if args.port is not None:
-        args.overrides.append(f"server.port={args.port}")
     try:
         cfg = config_from_args(args)
     except ValueError as e:

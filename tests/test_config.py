@@ -26,7 +26,8 @@ def test_overrides_apply_with_types(tmp_path):
     "override, message",
     [
         ("model.colour=1", "unknown config key model.colour"),
-        ("modle.path=x", "unknown config section(s): modle"),
+        ("modle.path=x", "unknown config section [modle]: did you mean model?"),
+        ("server.prot=1", "unknown config key server.prot: did you mean server.port?"),
         ("generation.top_k=1.5", "generation.top_k: expected int"),
         ("generation.do_sample=1", "generation.do_sample: expected bool"),
         ('server.port="80"', "server.port: expected int"),

@@ -70,7 +70,7 @@ def test_cancel_frees_the_slot_and_full_queue_rejects(eng):
     assert c["result"]["finish_reason"] == "cancelled"
     assert 2 <= len(c["result"]["token_ids"]) < 60
     assert c["free"] == 4 and c["running"] == 0
-    assert eng["queue_full"] == "the request queue is full (2 waiting)"
+    assert eng["queue_full"] == "the request queue is full (2 of 2 waiting)"
     assert "exceeds max_seq_len=96" in eng["too_long"]
 
 

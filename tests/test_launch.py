@@ -4,9 +4,12 @@ generate --nproc`, and every user error ending all ranks non-zero with a message
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -181,3 +184,78 @@ def test_tp_decode_bench_runs_across_real_ranks(tmp_path):
     assert r["tp"] == 2 and set(r["decode_ms"]) == {"1", "2"}
     assert all(ms > 0 for ms in r["decode_ms"].values()) and r["all_reduce_ms"] > 0
     assert r["all_reduce_share_b1"] > 0
+
+
+def mpinfer_cmd(*args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "mpinfer.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})},
+                          cwd=ROOT)  # fmt: skip
+
+
+PRE_SPAWN = {
+    "tp": (["generate", "--nproc", "3"], "n_head=4 is not divisible by 3; tensor-parallel "
+                                         "sizes that work: 1, 2, 4"),
+    "key": (["generate", "--nproc", "2", "--set", "server.prot=1"],
+            "unknown config key server.prot: did you mean server.port?"),
+    "section": (["serve", "--nproc", "2", "--set", "genration.x=4"],
+                "unknown config section [genration]: did you mean generation?"),
+    "file": (["generate", "--nproc", "2", "--model", "README.md"], "README.md is a file"),
+    "dir": (["generate", "--nproc", "2", "--model", "mpinfer"],
+            "mpinfer has no config.json, so it is not a model directory"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(PRE_SPAWN))
+def test_mistakes_are_said_once_before_any_rank_starts(ckpts, case):
+    """Config keys (with the closest name), the model path, the tp size against the heads: one
+    line, once, exit 2, no rank started (no [rank N] line, nothing from gloo)."""
+    argv, message = PRE_SPAWN[case]
+    if "--model" not in argv:
+        argv = [*argv, "--model", str(ckpts["st_sharded"])]
+    t0 = time.time()
+    proc = mpinfer_cmd(*argv)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count(message) == 1, proc.stderr[-2000:]
+    assert "[rank" not in proc.stderr and "Traceback" not in proc.stderr
+    assert time.time() - t0 < 30
+
+
+def test_a_port_in_use_is_one_clear_line_before_spawning(ckpts):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = mpinfer_cmd("serve", "--nproc", "2", "--model", str(ckpts["st_sharded"]),
+                           "--port", str(port))  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: cannot serve on 127.0.0.1:{port}")
+    assert "[rank" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_verify_on_a_checkpoint_that_is_not_sharded_says_so(ckpts):
+    proc = mpinfer_cmd("verify", str(ckpts["st_sharded"]))
+    assert proc.returncode == 2
+    assert "has no mpinfer.json: a model directory that is not sharded" in proc.stderr
+    assert "Errno" not in proc.stderr
+
+
+def test_a_hub_model_id_resolves_offline_from_the_hub_cache(ckpts, tmp_path):
+    """`--model org/name` goes through huggingface_hub: here offline (HF_HUB_OFFLINE=1) against
+    a Hub cache laid out as the Hub client lays it out, filled from the tiny checkpoint; with
+    torchrun's spelling --nproc-per-node. A name the cache lacks is one clear error."""
+    cache = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--bigscience--tiny-bloom"
+    snap = repo / "snapshots" / commit
+    shutil.copytree(ckpts["st_sharded"], snap)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    proc = mpinfer_cmd("generate", "--nproc-per-node", "2", "--model", "bigscience/tiny-bloom",
+                       "--prompt", "Hello", "--max-new-tokens", "3", "--json", env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(json.loads(proc.stdout.splitlines()[-1])["token_ids"]) == 3
+    proc = mpinfer_cmd("generate", "--nproc", "2", "--model", "bigscience/nope", env=env)
+    assert proc.returncode == 2
+    assert "bigscience/nope: no such directory here, and the Hub model is not in the Hub " \
+           "cache" in proc.stderr  # fmt: skip

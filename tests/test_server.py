@@ -457,6 +457,23 @@ def test_mpinfer_serve_stops_cleanly_on_sigterm_and_at_once_on_a_second(ckpts):
         s.stop()
 
 
+def test_sigint_is_named_as_sigint_and_docs_are_off_offline(ckpts):
+    """Ctrl-C's signal sent to `mpinfer serve` drains as SIGTERM does, and the log names it;
+    /info's version is the installed package's; /docs (CDN scripts) is off unless asked."""
+    from importlib.metadata import version
+
+    s = Server(ckpts["st_sharded"], "server.max_seq_len=300")
+    try:
+        assert httpx.get(s.url + "/info").json()["version"] == version("mpinfer")
+        assert httpx.get(s.url + "/docs").status_code == 404
+        assert httpx.get(s.url + "/openapi.json").status_code == 200
+        s.proc.send_signal(signal.SIGINT)
+        assert s.proc.wait(timeout=60) == 0, s.output()[-3000:]
+        assert "SIGINT: draining" in s.output() and "SIGTERM" not in s.output()
+    finally:
+        s.stop()
+
+
 @pytest.mark.parametrize("launcher", ["mpinfer", "torchrun"])
 def test_no_rank_outlives_its_launcher_killed_outright(ckpts, launcher):
     """SIGKILL of the launcher: it can forward nothing, and its ranks run in sessions of their
