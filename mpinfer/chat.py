@@ -47,9 +47,18 @@ class ChatTemplate:
         except (jinja2.TemplateError, ValueError) as e:
             raise ValueError(f"chat template from {origin} does not render: {e}") from None
 
-    def render(self, messages: list[dict]) -> str:
-        return self.template.render(messages=messages, add_generation_prompt=True,
-                                    bos_token=self.bos, eos_token=self.eos)  # fmt: skip
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
+               continue_final_message: bool = False) -> str:  # fmt: skip
+        """The prompt; `continue_final_message` (vLLM's): the last message left open, so the
+        model continues it (no end of turn after it, no generation prompt)."""
+        text = self.template.render(messages=messages, bos_token=self.bos, eos_token=self.eos,
+                                    add_generation_prompt=add_generation_prompt
+                                    and not continue_final_message)  # fmt: skip
+        if continue_final_message:
+            last = messages[-1]["content"]
+            at = text.rfind(last) if last else -1
+            text = text[: at + len(last)] if at >= 0 else text.rstrip()
+        return text
 
 
 def _raise(message: str):

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), *, skip_special_tokens: bool = True,
+                 include_stop: bool = False):  # fmt: skip
         self.tok = tokenizer
+        self.skip_special, self.include_stop = skip_special_tokens, include_stop
         self.stop = tuple(s for s in stop if s)
         self.ids: list[int] = []
         self.prefix_offset = 0  # ids[:prefix_offset] are already in self.text
@@ -24,7 +26,7 @@ class TextStream:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+        return self.tok.decode(ids, skip_special_tokens=self.skip_special)
 
     def add(self, token_id: int) -> str:
         """Append one token; the newly showable text (possibly empty)."""
@@ -41,7 +43,7 @@ class TextStream:
         for s in self.stop:
             at = self.text.find(s, max(0, self.emitted - len(s)))
             if at != -1:
-                self.text = self.text[:at]
+                self.text = self.text[: at + (len(s) if self.include_stop else 0)]
                 self.stopped = True
                 return self.flush()
         hold = 0

@@ -378,6 +378,8 @@ class Engine:
         reason = ""
         if token == self.eos and not params.ignore_eos:  # (the sampler blocks it < min_tokens)
             reason = "eos"
+        elif token in params.stop_token_ids and len(r.token_ids) > params.min_tokens:
+            reason = "stop"
         elif s.stream.stopped:
             reason = "stop"
         elif len(r.token_ids) >= params.max_new_tokens:

@@ -27,13 +27,14 @@ COMMON = {
     # vLLM's extensions (load generators and evaluation tools send them)
     "top_k", "repetition_penalty", "typical_p", "ignore_eos", "min_tokens",
     "skip_special_tokens", "include_stop_str_in_output", "stop_token_ids", "min_p",
+    "allowed_token_ids", "return_token_ids", "prompt_logprobs",
 }  # fmt: skip
 COMPLETION_FIELDS = COMMON | {"prompt", "suffix", "echo", "best_of"}
 CHAT_FIELDS = COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
     "tool_choice", "parallel_tool_calls", "functions", "function_call", "store", "metadata",
     "service_tier", "modalities", "prediction", "audio", "reasoning_effort",
-    "add_generation_prompt", "echo",
+    "add_generation_prompt", "continue_final_message", "echo",
 }  # fmt: skip
 # SamplingParams' names -> OpenAI's, for the messages of the engine's checks.
 NAMES = {"max_new_tokens": "max_tokens", "top_n": "logprobs", "prompt_logprobs": "logprobs"}
@@ -43,13 +44,7 @@ def common_params(f: Fields, state: State, max_key: str, *, zero_ok: bool):
     """Checks every field both routes share; the SamplingParams of one choice."""
     f.get("model", "str")
     f.get("user", "str")
-    if f.get("logit_bias", "object"):
-        f.fail("logit_bias", "is not supported")
-    f.reject_set("skip_special_tokens", "only true is supported", (None, True))
-    f.reject_set("include_stop_str_in_output", "only false is supported", (None, False))
-    f.reject_set("min_p", "is not supported", (None, 0, 0.0))
-    if f.get("stop_token_ids", "list"):
-        f.fail("stop_token_ids", "is not supported; use stop")
+    vocab = state.engine.loaded.shape.vocab_size
     stream = f.get("stream", "bool", False)
     options = f.get("stream_options", "object")
     usage = {"include_usage": False, "continuous_usage_stats": False}
@@ -62,8 +57,38 @@ def common_params(f: Fields, state: State, max_key: str, *, zero_ok: bool):
     max_new = f.ranged(max_key, "int", 0 if zero_ok else 1, 2**31)
     params = sampling_params(f, state.cfg.generation, max_new_key=max_key, max_new=max_new,
                              sample_default=True, names=NAMES)  # fmt: skip
+    params = dataclasses.replace(
+        params, logit_bias=logit_bias(f, vocab),
+        allowed_token_ids=token_ids(f, "allowed_token_ids", vocab),
+        stop_token_ids=token_ids(f, "stop_token_ids", vocab),
+        min_p=f.ranged("min_p", "float", 0.0, 1.0, 0.0),
+        skip_special_tokens=f.get("skip_special_tokens", "bool", True),
+        include_stop_str_in_output=f.get("include_stop_str_in_output", "bool", False),
+    )  # fmt: skip
     n = f.ranged("n", "int", 1, MAX_N, 1)
     return params, stream, usage, n
+
+
+def logit_bias(f: Fields, vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token id (a string) -> bias in [-100, 100]; the 400 names every bad key."""
+    raw = f.get("logit_bias", "object") or {}
+    bad = [k for k in raw if not (k.isdigit() and int(k) < vocab)]
+    if bad:
+        f.fail("logit_bias", f"keys must be token ids in [0, {vocab}): {', '.join(map(repr, bad))}")
+    out = []
+    for k, v in raw.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            f.fail("logit_bias", f"the bias of token {k} must be a number in [-100, 100], got {v!r}")
+        out.append((int(k), float(v)))
+    return tuple(out)
+
+
+def token_ids(f: Fields, key: str, vocab: int) -> tuple[int, ...]:
+    ids = f.get(key, "list") or []
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        f.fail(key, f"token ids must be integers in [0, {vocab}): {bad[:5]}")
+    return tuple(ids)
 
 
 def parse_completions(body: bytes, state: State) -> Parsed:
@@ -82,18 +107,28 @@ def parse_completions(body: bytes, state: State) -> Parsed:
         f.fail("best_of", "best_of > n cannot be streamed")
     if stream and echo and logprobs is not None:
         f.fail("echo", "echo with logprobs cannot be streamed (the prompt's come with the answer)")
-    if params.max_new_tokens == 0 and not (echo and logprobs is not None):
+    extra = vllm_options(f, stream)
+    k = (logprobs or 0) if echo and logprobs is not None else -1
+    if extra["prompt_logprobs"] is not None:
+        k = max(k, extra["prompt_logprobs"])
+    if params.max_new_tokens == 0 and k < 0:
         f.fail("max_tokens", "0 generates nothing: it needs echo with logprobs (prompt scoring)")
-    params = dataclasses.replace(
-        params, top_n=logprobs or 0,
-        prompt_logprobs=(logprobs or 0) if echo and logprobs is not None else -1,
-    )  # fmt: skip
+    params = dataclasses.replace(params, top_n=logprobs or 0, prompt_logprobs=k)
     check_params(params, f, NAMES)
     jobs = tuple(Job(p, nth_seed(params, j)) for p in prompts for j in range(best_of))
     return Parsed(jobs, stream=stream, options={
         "n": n, "best_of": best_of, "echo": echo, "logprobs": logprobs, "usage": usage,
-        "prompts": prompts,
+        "prompts": prompts, **extra,
     })  # fmt: skip
+
+
+def vllm_options(f: Fields, stream: bool) -> dict:
+    """vLLM's response extensions: return_token_ids, prompt_logprobs (not streamed here)."""
+    plp = f.ranged("prompt_logprobs", "int", 0, MAX_TOP_N)
+    if plp is not None and stream:
+        f.fail("prompt_logprobs", "is returned with the whole answer only: not with stream")
+    return {"return_token_ids": bool(f.get("return_token_ids", "bool", False)),
+            "prompt_logprobs": plp}
 
 
 def prompt_list(value, f: Fields) -> list[str | list[int]]:
@@ -146,7 +181,12 @@ def parse_chat(body: bytes, state: State) -> Parsed:
     fmt = f.get("response_format", "object")
     if fmt is not None and fmt.get("type") != "text":
         f.fail("response_format", "only {'type': 'text'} is supported")
-    f.reject_set("add_generation_prompt", "only true is supported", (None, True))
+    add_prompt = f.get("add_generation_prompt", "bool", True)
+    continue_final = f.get("continue_final_message", "bool", False)
+    if continue_final and data.get("add_generation_prompt") is True:
+        f.fail("continue_final_message", "cannot be combined with add_generation_prompt: true")
+    if continue_final and messages[-1]["role"] != "assistant":
+        f.fail("continue_final_message", "needs an assistant message last, to continue")
     f.reject_set("echo", "is not supported for chat", (None, False))
     f.reject_set("modalities", "only text is supported", (None, ["text"]))
     for key in ("prediction", "audio"):
@@ -159,15 +199,18 @@ def parse_chat(body: bytes, state: State) -> Parsed:
     if top is not None and not logprobs:
         f.fail("top_logprobs", "needs logprobs: true")
     params, stream, usage, n = common_params(f, state, key, zero_ok=False)
-    params = dataclasses.replace(params, top_n=top or 0)
+    extra = vllm_options(f, stream)
+    plp = -1 if extra["prompt_logprobs"] is None else extra["prompt_logprobs"]
+    params = dataclasses.replace(params, top_n=top or 0, prompt_logprobs=plp)
     try:
-        prompt = state.chat.render(messages)
+        prompt = state.chat.render(messages, add_generation_prompt=add_prompt,
+                                   continue_final_message=continue_final)  # fmt: skip
     except Exception as e:  # a template's own raise_exception, or any Jinja fault
         raise ApiError(STATUS, f"messages: the chat template refused them: {e}",
                        field="messages") from None  # fmt: skip
     jobs = tuple(Job(prompt, nth_seed(params, j)) for j in range(n))
     return Parsed(jobs, stream=stream, options={"n": n, "logprobs": logprobs, "usage": usage,
-                                                "max_key": key})  # fmt: skip
+                                                "max_key": key, **extra})  # fmt: skip
 
 
 ROLES = ("system", "developer", "user", "assistant")

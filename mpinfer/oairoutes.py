@@ -15,6 +15,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from . import __version__
 from .api import ApiError, Parsed, finite, openai_error
 from .oai import NAMES, STATUS, parse_chat, parse_completions
 from .streams import State, Submission, unix_time
@@ -26,7 +27,23 @@ def make_router(state: State) -> APIRouter:
     router = APIRouter()
 
     def text_of(token_id: int) -> str:
-        return state.tokenizer.decode([token_id])
+        # Every token's own text, special tokens included (<s>, </s>, <unk> are tokens too).
+        return state.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def vllm_prompt_logprobs(ids, r) -> list | None:
+        """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, rank,
+        decoded_token}} with the prompt token and its alternatives."""
+        out = [None]
+        for j in range(1, len(ids)):
+            lp, top = r.prompt_logprobs[j], r.prompt_top_logprobs[j] or []
+            ranks = {t: k + 1 for k, (t, _) in enumerate(top)}
+            entry = {str(ids[j]): {"logprob": finite(lp), "rank": ranks.get(ids[j]),
+                                   "decoded_token": text_of(ids[j])}}  # fmt: skip
+            for k, (t, v) in enumerate(top):
+                entry.setdefault(str(t), {"logprob": finite(v), "rank": k + 1,
+                                          "decoded_token": text_of(t)})  # fmt: skip
+            out.append(entry)
+        return out
 
     def usage(prompt_tokens: int, completion_tokens: int) -> dict:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -98,13 +115,14 @@ def make_router(state: State) -> APIRouter:
             # best_of: the n with the highest log-probability per token (as OpenAI picks).
             group.sort(key=lambda d: -sum(d[0].logprobs) / max(len(d[0].logprobs), 1))
             for j, (r, _) in enumerate(group[:n]):
-                prompt_text = state.tokenizer.decode(ids) if o["echo"] else ""
+                prompt_text = echo_text(ids) if o["echo"] else ""
                 choice = {
                     "index": p * n + j,
                     "text": prompt_text + r.text,
                     "logprobs": None,
                     "finish_reason": FINISH.get(r.finish_reason, r.finish_reason),
                 }
+                extras(choice, o, ids, r)
                 if o["logprobs"] is not None:
                     entries = []
                     if o["echo"]:
@@ -121,26 +139,42 @@ def make_router(state: State) -> APIRouter:
             "usage": usage(prompt_tokens, sum(len(r.token_ids) for r, _ in done)),
         }  # fmt: skip
 
+    def echo_text(ids) -> str:
+        return state.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def extras(choice: dict, o: dict, ids, r) -> None:
+        """vLLM's per-choice fields, when asked for."""
+        if o.get("return_token_ids"):
+            choice["prompt_token_ids"], choice["token_ids"] = list(ids), list(r.token_ids)
+        if o.get("prompt_logprobs") is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(ids, r)
+
+    def continuous(o: dict) -> bool:
+        """Usage in every chunk: vLLM's continuous_usage_stats, which needs include_usage."""
+        return o["usage"]["include_usage"] and o["usage"]["continuous_usage_stats"]
+
     async def stream_completions(request, sub: Submission, parsed: Parsed, cid, created):
         o = parsed.options
-        generated, prompt_tokens = 0, sum(len(ids) for ids in sub.prompt_ids)
+        # n choices share their prompt: it is counted once (as OpenAI counts it).
+        generated, prompt_tokens = 0, sum(len(ids) for ids in sub.prompt_ids[:: o["n"]])
 
-        def chunk(index: int, text: str, finish=None, logprobs=None) -> str:
+        def chunk(index: int, text: str, finish=None, logprobs=None, **more) -> str:
             body = {"id": cid, "object": "text_completion", "created": created,
                     "model": state.model_name,
                     "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                 "finish_reason": finish}]}  # fmt: skip
-            if o["usage"]["continuous_usage_stats"]:
+                                 "finish_reason": finish, **more}]}  # fmt: skip
+            if continuous(o):
                 body["usage"] = usage(prompt_tokens, generated)
             return sse(body)
 
         try:
             offsets = [0] * len(sub.prompt_ids)
-            if o["echo"]:
-                for i, ids in enumerate(sub.prompt_ids):
-                    text = state.tokenizer.decode(ids)
-                    yield chunk(i, text)
-                    offsets[i] = len(text)
+            for i, ids in enumerate(sub.prompt_ids):
+                first = {"prompt_token_ids": list(ids)} if o.get("return_token_ids") else {}
+                text = echo_text(ids) if o["echo"] else ""
+                if text or first:
+                    yield chunk(i, text, **first)
+                offsets[i] = len(text)
             async for i, ev in sub.events(request):
                 if ev.kind == "token":
                     generated += 1
@@ -148,8 +182,9 @@ def make_router(state: State) -> APIRouter:
                     if o["logprobs"] is not None:
                         lp = legacy_logprobs([(ev.token_id, ev.logprob, ev.top)], offsets[i])
                         offsets[i] += len(lp["tokens"][0])
-                    if ev.text or lp:
-                        yield chunk(i, ev.text, logprobs=lp)
+                    more = {"token_ids": [ev.token_id]} if o.get("return_token_ids") else {}
+                    if ev.text or lp or more:
+                        yield chunk(i, ev.text, logprobs=lp, **more)
                 else:
                     r = ev.result
                     yield chunk(i, ev.text, FINISH.get(r.finish_reason, r.finish_reason))
@@ -174,19 +209,25 @@ def make_router(state: State) -> APIRouter:
                 tops = r.top_logprobs or [[]] * len(r.token_ids)
                 logprobs = {"content": [chat_logprob(t, lp, top) for t, lp, top
                                         in zip(r.token_ids, r.logprobs, tops)]}  # fmt: skip
-            choices.append(
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": r.text},
-                    "logprobs": logprobs,
-                    "finish_reason": FINISH.get(r.finish_reason, r.finish_reason),
-                }
-            )
-        return {
+            choice = {
+                "index": i,
+                "message": {"role": "assistant", "content": r.text},
+                "logprobs": logprobs,
+                "finish_reason": FINISH.get(r.finish_reason, r.finish_reason),
+            }
+            if parsed.options.get("return_token_ids"):
+                choice["token_ids"] = list(r.token_ids)
+            choices.append(choice)
+        body = {
             "id": cid, "object": "chat.completion", "created": created, "model": state.model_name,
             "choices": choices, "system_fingerprint": None,
             "usage": usage(len(sub.prompt_ids[0]), sum(len(r.token_ids) for r, _ in done)),
         }  # fmt: skip
+        if parsed.options.get("return_token_ids"):
+            body["prompt_token_ids"] = list(sub.prompt_ids[0])
+        if parsed.options.get("prompt_logprobs") is not None:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(sub.prompt_ids[0], done[0][0])
+        return body
 
     async def stream_chat(request, sub: Submission, parsed: Parsed, cid, created):
         o = parsed.options
@@ -197,7 +238,7 @@ def make_router(state: State) -> APIRouter:
                     "model": state.model_name, "system_fingerprint": None,
                     "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                  "finish_reason": finish}]}  # fmt: skip
-            if o["usage"]["continuous_usage_stats"]:
+            if continuous(o):
                 body["usage"] = usage(prompt_tokens, generated)
             return sse(body)
 
@@ -224,6 +265,10 @@ def make_router(state: State) -> APIRouter:
         except ApiError as e:
             yield sse(openai_error(e))
 
+    @router.get("/version")
+    async def version():
+        return {"version": __version__}
+
     @router.get("/v1/models")
     async def models():
         return {
@@ -234,6 +279,8 @@ def make_router(state: State) -> APIRouter:
                     "object": "model",
                     "created": 0,
                     "owned_by": "mpinfer",
+                    "root": state.model_name,
+                    "parent": None,
                     "max_model_len": state.cfg.server.max_seq_len,
                 }
             ],

@@ -82,7 +82,9 @@ class Sequence:
         self.pos = 0  # cache positions planned so far
         self.scheduled = 0  # tokens whose sampling has been planned
         self.done = False
-        self.stream = TextStream(tokenizer, req.params.stop)
+        p = req.params
+        self.stream = TextStream(tokenizer, p.stop, skip_special_tokens=p.skip_special_tokens,
+                                 include_stop=p.include_stop_str_in_output)  # fmt: skip
         self.result = Result(list(req.prompt_ids), seed=req.params.seed)
         if req.params.prompt_logprobs >= 0:
             self.result.prompt_logprobs = [None] * len(req.prompt_ids)

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 from . import __version__, oairoutes, tgi
 from .api import ApiError, Fields, openai_error, read_json, tgi_error
 from .guard import BodyTooLarge, Guard
+from .oai import message_list
 from .schema import describe
 from .streams import State
 
@@ -122,10 +123,25 @@ def build_app(state: State) -> FastAPI:
     @app.post("/tokenize", openapi_extra={"x-mpinfer-body": "TokenizeRequest"})
     async def tokenize(request: Request):
         try:
-            f = await tokenizer_request(request, {"prompt", "model", "add_special_tokens"})
-            text = f.get("prompt", "str", "")
-            ids = state.tokenizer.encode(text, add_special_tokens=False).ids
-            return {"tokens": ids, "count": len(ids), "max_model_len": cfg.max_seq_len}
+            f = await tokenizer_request(request, {
+                "prompt", "model", "add_special_tokens", "messages", "add_generation_prompt",
+                "continue_final_message", "return_token_strs"})  # fmt: skip
+            if f.data.get("messages") is not None:  # vLLM's chat form: the rendered prompt's
+                if f.data.get("prompt") is not None:
+                    f.fail("messages", "give prompt or messages, not both")
+                text = state.chat.render(message_list(f.data["messages"], f),
+                                         add_generation_prompt=f.get("add_generation_prompt",
+                                                                     "bool", True),
+                                         continue_final_message=f.get("continue_final_message",
+                                                                      "bool", False))  # fmt: skip
+            else:
+                text = f.get("prompt", "str", "")
+            ids = state.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+            out = {"tokens": ids, "count": len(ids), "max_model_len": cfg.max_seq_len}
+            if f.get("return_token_strs", "bool", False):
+                out["token_strs"] = [state.tokenizer.decode([i], skip_special_tokens=False)
+                                     for i in ids]  # fmt: skip
+            return out
         except ApiError as e:
             return error_response(request, e, state)
 

@@ -7,9 +7,9 @@ each row's processors with per-row parameter tensors, draws, and packs every row
 log-probability and its top alternatives into one tensor, which the engine copies to the host
 once. Greedy and sampling rows mix in one batch; nothing here loops over rows on the device.
 
-Processors, in transformers' order: repetition penalty (over the prompt and the generated
-tokens), OpenAI's frequency and presence penalties (generated tokens), temperature, top-k, top-p,
-typical-p. A sampling row draws by inverting its distribution's CDF at one uniform number made
+Processors, in transformers' order: logit bias and allowed tokens, repetition penalty (over the
+prompt and the generated tokens), OpenAI's frequency and presence penalties (generated tokens),
+temperature, top-k, top-p, min-p, typical-p. A sampling row draws by inverting its distribution's CDF at one uniform number made
 from its seed and the token's index in the request (a counter-based generator, `uniform`), so a
 seeded request gives the same tokens alone or in any batch. Log-probabilities are those of the
 model's own distribution (the raw logits), as vLLM reports them. What is not here: stop
@@ -53,6 +53,14 @@ class SamplingParams:
     prompt_logprobs: int = -1  # >= 0: every prompt token's log-probability, and this many alts
     ignore_eos: bool = False  # keep generating past EOS (load generators use it)
     min_tokens: int = 0  # EOS cannot end the request before this many tokens
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) added to the logits before anything
+    # else (greedy rows too); vLLM's allowed_token_ids: every other token is excluded.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+    min_p: float = 0.0  # vLLM's: drop tokens below min_p x the most likely token's probability
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's: these tokens end the request (as EOS does)
+    skip_special_tokens: bool = True  # the generated text leaves special tokens out
+    include_stop_str_in_output: bool = False  # the text ends with the stop string that ended it
 
     @property
     def greedy(self) -> bool:
@@ -97,6 +105,13 @@ class SamplingParams:
             raise ValueError(f"stop: at most {MAX_STOP} non-empty strings, got {list(self.stop)!r}")
         if not 0 <= self.top_n <= MAX_TOP_N:
             raise ValueError(f"top_n={self.top_n!r} must be in [0, {MAX_TOP_N}]")
+        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p={self.min_p!r} must be in [0, 1]")
+        for token, bias in self.logit_bias:
+            if not (isinstance(bias, (int, float)) and math.isfinite(bias)
+                    and -100 <= bias <= 100):  # fmt: skip
+                raise ValueError(f"logit_bias: the bias of token {token} ({bias!r}) must be in "
+                                 "[-100, 100]")  # fmt: skip
         if not -1 <= self.prompt_logprobs <= MAX_TOP_N:
             raise ValueError(f"prompt_logprobs={self.prompt_logprobs!r} must be in [0, "
                              f"{MAX_TOP_N}]")  # fmt: skip
@@ -123,7 +138,7 @@ class Row:
 
 
 # Columns of the per-row parameter tensor.
-TEMP, TOP_K, TOP_P, TYPICAL, REP, FREQ, PRES, U, GREEDY, BLOCK_EOS = range(10)
+TEMP, TOP_K, TOP_P, TYPICAL, REP, FREQ, PRES, U, GREEDY, BLOCK_EOS, MIN_P = range(11)
 
 
 @dataclass(frozen=True)
@@ -136,6 +151,10 @@ class Needs:
     typical: bool = False
     block_eos: tuple[int, ...] = ()  # rows where EOS may not end the request yet
     history: bool = False  # some row has a penalty: the per-slot history is read
+    min_p: bool = False
+    # logit_bias as (row, token, bias) triples; allowed_token_ids as (row, token) pairs
+    bias: tuple[tuple[int, int, float], ...] = ()
+    allowed: tuple[tuple[int, int], ...] = ()
 
 
 def row_table(rows: list[Row], vocab_size: int) -> tuple[torch.Tensor, Needs]:
@@ -152,7 +171,7 @@ def row_table(rows: list[Row], vocab_size: int) -> tuple[torch.Tensor, Needs]:
             1.0 if greedy else p.typical_p,
             p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
             0.0 if greedy else uniform(p.seed or 0, r.index),
-            float(greedy), float(r.index < p.min_tokens),
+            float(greedy), float(r.index < p.min_tokens), 0.0 if greedy else p.min_p,
         ])  # fmt: skip
     top_k = [int(row[TOP_K]) for row in table if row[TOP_K] < vocab_size]
     needs = Needs(
@@ -161,6 +180,9 @@ def row_table(rows: list[Row], vocab_size: int) -> tuple[torch.Tensor, Needs]:
         typical=any(row[TYPICAL] < 1 for row in table),
         block_eos=tuple(i for i, row in enumerate(table) if row[BLOCK_EOS]),
         history=any(r.params.uses_history for r in rows),
+        min_p=any(row[MIN_P] > 0 for row in table),
+        bias=tuple((i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias),
+        allowed=tuple((i, t) for i, r in enumerate(rows) for t in r.params.allowed_token_ids),
     )
     return torch.tensor(table, dtype=torch.float64), needs
 
@@ -183,6 +205,16 @@ def process_logits(
     counts (both when `needs.history`)."""
     n, V = x.shape
     col = lambda c: t[:, c : c + 1].to(x.dtype)  # noqa: E731  (n, 1)
+    if needs.bias:
+        rows, toks, values = zip(*needs.bias)
+        where = (to_device(rows, x.device), to_device(toks, x.device))
+        x = x.index_put(where, to_device(values, x.device, x.dtype), accumulate=True)
+    if needs.allowed:
+        rows, toks = zip(*needs.allowed)
+        keep = torch.ones_like(x, dtype=torch.bool)
+        keep[to_device(sorted(set(rows)), x.device)] = False
+        keep[to_device(rows, x.device), to_device(toks, x.device)] = True
+        x = x.masked_fill(~keep, float("-inf"))
     if needs.history:
         used = seen | (counts > 0)
         rep = col(REP)
@@ -209,6 +241,9 @@ def process_logits(
         kth = top.gather(1, (t[:, TOP_K : TOP_K + 1].long() - 1).clamp(0, needs.top_k - 1))
         kth = torch.where(t[:, TOP_K : TOP_K + 1] < V, kth, float("-inf"))
         y = y.masked_fill(y < kth, float("-inf"))
+    if needs.min_p:
+        probs = y.softmax(-1)
+        y = y.masked_fill(probs < col(MIN_P) * probs.max(-1, keepdim=True).values, float("-inf"))
     if needs.typical:
         # Keep the tokens whose surprise is closest to the entropy, up to typical_p of the mass
         # (transformers' TypicalLogitsWarper, per row).

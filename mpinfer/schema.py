@@ -37,6 +37,15 @@ VLLM = {
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "additionalProperties": False, "properties": {
         "include_usage": {"type": "boolean"}, "continuous_usage_stats": {"type": "boolean"}}},
+    "logit_bias": {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                   "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+    "allowed_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "skip_special_tokens": {"type": "boolean"},
+    "include_stop_str_in_output": {"type": "boolean"},
+    "return_token_ids": {"type": "boolean"},
+    "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_N},
 }  # fmt: skip
 TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 BODIES = {
@@ -86,11 +95,16 @@ BODIES = {
         "max_completion_tokens": {"type": "integer", "minimum": 1},
         "logprobs": {"type": "boolean"},
         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_N},
+        "add_generation_prompt": {"type": "boolean"},
+        "continue_final_message": {"type": "boolean"},
     }},
 }  # fmt: skip
 BODIES["TokenizeRequest"] = {"type": "object", "additionalProperties": False, "properties": {
     "prompt": {"type": "string"}, "model": {"type": "string"},
-    "add_special_tokens": {"type": "boolean"}}}  # fmt: skip
+    "add_special_tokens": {"type": "boolean"}, "return_token_strs": {"type": "boolean"},
+    "messages": BODIES["ChatRequest"]["properties"]["messages"],
+    "add_generation_prompt": {"type": "boolean"},
+    "continue_final_message": {"type": "boolean"}}}  # fmt: skip
 BODIES["DetokenizeRequest"] = {"type": "object", "additionalProperties": False, "properties": {
     "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
     "model": {"type": "string"}}}  # fmt: skip
@@ -151,6 +165,8 @@ ERRORS = {
     400: "a bad request (OpenAI routes), naming the field",
     401: "missing or wrong bearer token (server.api_key)",
     413: "the body is over server.max_body_bytes",
+    415: "the body is not application/json",
+    421: "the Host header does not name this server (bound to loopback)",
     422: "a bad request (TGI routes), naming the field",
     429: "the queue is full",
     500: "this request's generation failed (others go on)",
