@@ -299,7 +299,8 @@ class Engine:
         # for more to join it: each mixed step costs a pass at prefill speed, so fewer, fuller
         # ones serve the same prompts sooner overall (never when nothing decodes).
         waiting = sum(len(s.prompt_left) for s in seqs if not s.done)
-        if decode and waiting < budget and self.held < self.prefill_hold_steps:
+        started = any(s.prompt_left and s.pos for s in seqs if not s.done)  # never mid-prompt
+        if decode and waiting < budget and not started and self.held < self.prefill_hold_steps:
             self.held += 1
             budget = 0
         elif waiting:

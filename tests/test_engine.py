@@ -271,3 +271,38 @@ def test_one_flat_forward_equals_separate_padded_forwards():
                 a = read_kv(flat.k[layer], flat.tables, torch.tensor([r]), n)
                 b = read_kv(ref.k[layer], ref.tables, torch.tensor([r]), n)
                 torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_prefill_hold_lets_a_short_prompt_wait_a_few_steps_while_rows_decode():
+    """server.prefill_hold_steps: a prompt that fills little of the budget waits up to that many
+    steps while rows decode, then runs; a prompt that fills the budget, or any prompt when
+    nothing decodes, runs at once; 0 (the default) never waits."""
+    from mpinfer.engine import Engine
+    from mpinfer.request import Request, Sequence
+    from mpinfer.sampling import SamplingParams
+
+    def engine(hold: int, budget: int = 64) -> Engine:
+        e = Engine.__new__(Engine)  # _plan reads only these
+        e.running, e.max_prefill_tokens, e.prefill_hold_steps, e.held = {}, budget, hold, 0
+        return e
+
+    def seq(slot: int, prompt: int, decoding: bool) -> Sequence:
+        s = Sequence(Request(list(range(4, 4 + prompt)), SamplingParams(max_new_tokens=50),
+                             lambda ev: None), slot, None)  # fmt: skip
+        if decoding:
+            s.prompt_left, s.pos, s.scheduled = [], prompt, 1
+        return s
+
+    def prefill_steps(e: Engine, steps: int) -> list[int]:
+        return [sum(len(p.tokens) for p in e._plan()[0].prefills) for _ in range(steps)]
+
+    for hold in (0, 2, 5):
+        e = engine(hold)
+        e.running = {0: seq(0, 5, True), 1: seq(1, 7, True), 2: seq(2, 10, False)}
+        assert prefill_steps(e, hold + 2) == [0] * hold + [10, 0]
+    e = engine(3)  # a prompt at least the budget: at once, and its rest without waiting
+    e.running = {0: seq(0, 5, True), 1: seq(1, 100, False)}
+    assert prefill_steps(e, 3) == [64, 36, 0]
+    e = engine(3)  # nothing decodes: no reason to wait
+    e.running = {1: seq(1, 10, False)}
+    assert prefill_steps(e, 1) == [10]
