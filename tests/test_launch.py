@@ -259,3 +259,8 @@ def test_a_hub_model_id_resolves_offline_from_the_hub_cache(ckpts, tmp_path):
     assert proc.returncode == 2
     assert "bigscience/nope: no such directory here, and the Hub model is not in the Hub " \
            "cache" in proc.stderr  # fmt: skip
+
+
+def test_help_texts_are_written_for_users():
+    out = mpinfer_cmd("shard", "--help").stdout
+    assert "Quantize an HF checkpoint" in out and "docstring" not in out and "`ranks`" not in out
