@@ -67,7 +67,8 @@ def read_json(body: bytes, status: int) -> dict:
         json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         where = surrogate_at(data)
-        raise ApiError(status, f"{where}: invalid Unicode (a lone surrogate)", field=where) from None
+        message = f"{where}: invalid Unicode (a lone surrogate)"
+        raise ApiError(status, message, field=where) from None
     return data
 
 

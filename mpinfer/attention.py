@@ -142,7 +142,8 @@ def attend_reference(qkv, k_cache, v_cache, tables, batch: FlatBatch, slopes, he
         values = read_kv(v_cache, tables, rows[:1], pos0 + n)
         bias = alibi_bias(slopes, positions[None], torch.zeros(1, dtype=torch.long,
                           device=qkv.device), pos0 + n, qkv.dtype)  # fmt: skip
-        o = F.scaled_dot_product_attention(q[tok0 : tok0 + n].transpose(0, 1)[None], keys,
-                                           values, attn_mask=bias)  # (1, heads, n, head_dim)
+        o = F.scaled_dot_product_attention(
+            q[tok0 : tok0 + n].transpose(0, 1)[None], keys, values, attn_mask=bias
+        )  # (1, heads, n, head_dim)
         out[tok0 : tok0 + n] = o[0].transpose(0, 1)
     return out.view(N, heads * head_dim)

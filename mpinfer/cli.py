@@ -107,8 +107,10 @@ def check_before_spawning(cmd: str, argv: list[str], topo: Topology) -> None:
             try:
                 probe.bind((s.host, s.port))
             except OSError as e:
-                raise ValueError(f"cannot serve on {s.host}:{s.port}: {e.strerror} (another "
-                                 "server there? --port or server.port picks another)") from None
+                raise ValueError(
+                    f"cannot serve on {s.host}:{s.port}: {e.strerror} (another "
+                    "server there? --port or server.port picks another)"
+                ) from None
 
 
 def main(argv: list[str] | None = None) -> int:

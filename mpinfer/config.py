@@ -196,7 +196,7 @@ def _check_type(key: str, value: Any, annotation: str) -> Any:
 
 
 def closest(word: str, choices, prefix: str = "") -> str:
-    """ ': did you mean X?' for the nearest choice, if one is near."""
+    """': did you mean X?' for the nearest choice, if one is near."""
     near = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f": did you mean {prefix}{near[0]}?" if near else ""
 

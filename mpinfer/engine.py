@@ -34,8 +34,8 @@ from collections.abc import Callable
 import torch
 
 from .dist import DistContext
-from .request import EngineFailed, Event, InFlight, QueueFull, Request, Result, Sequence
 from .memory import decode_buckets
+from .request import EngineFailed, Event, InFlight, QueueFull, Request, Result, Sequence
 from .runner import IDLE, STEP, STOP, ModelRunner, Prefill, Step
 from .sampling import MAX_TOP_N, Row, Sampler, SamplingParams, prompt_token_logprobs
 
@@ -379,9 +379,8 @@ class Engine:
         reason = ""
         if token == self.eos and not params.ignore_eos:  # (the sampler blocks it < min_tokens)
             reason = "eos"
-        elif token in params.stop_token_ids and len(r.token_ids) > params.min_tokens:
-            reason = "stop"
-        elif s.stream.stopped:
+        elif s.stream.stopped or (token in params.stop_token_ids
+                                   and len(r.token_ids) > params.min_tokens):  # fmt: skip
             reason = "stop"
         elif len(r.token_ids) >= params.max_new_tokens:
             reason = "length"

@@ -36,7 +36,12 @@ def require(module: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        hint = (f"pip install 'mpinfer[{extra}]'" if extra else "a CUDA build of torch"
-                if module.startswith(("triton", "mpinfer.kernels")) else f"pip install {module}")
+        hint = (
+            f"pip install 'mpinfer[{extra}]'"
+            if extra
+            else "a CUDA build of torch"
+            if module.startswith(("triton", "mpinfer.kernels"))
+            else f"pip install {module}"
+        )
         raise ValueError(f"{why} needs {module.split('.')[0]}, which is not available ({e}): "
                          f"{hint}") from None  # fmt: skip

@@ -98,7 +98,8 @@ class Guard:
         size = headers.get("content-length", "")
         if size.isdigit() and int(size) > cfg.max_body_bytes:
             return ApiError(413, f"request body of {size} bytes is over the "
-                            f"{cfg.max_body_bytes} byte limit", kind="payload_too_large")  # fmt: skip
+                            f"{cfg.max_body_bytes} byte limit",
+                            kind="payload_too_large")  # fmt: skip
         if request.method == "POST":
             media = headers.get("content-type", "").split(";")[0].strip().lower()
             if media != "application/json":
@@ -119,7 +120,8 @@ class GuardedH11(H11Protocol):
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
             body = b'{"error": "too many open connections", "error_type": "overloaded"}'
-            transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+            transport.write(b"HTTP/1.1 503 Service Unavailable\r\n"
+                            b"content-type: application/json\r\n"
                             b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
                             % (len(body), body))  # fmt: skip
             transport.close()
@@ -150,5 +152,8 @@ class GuardedH11(H11Protocol):
 
 def protocol_for(cfg: ServerConfig) -> type[GuardedH11]:
     """A GuardedH11 subclass carrying this server's limits (uvicorn builds it per connection)."""
-    return type("MpinferH11", (GuardedH11,), {"idle_timeout_s": cfg.idle_timeout_s,
-                                              "max_connections": cfg.max_connections})
+    return type(
+        "MpinferH11",
+        (GuardedH11,),
+        {"idle_timeout_s": cfg.idle_timeout_s, "max_connections": cfg.max_connections},
+    )

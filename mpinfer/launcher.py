@@ -5,10 +5,10 @@ Each rank is `python -m mpinfer.cli SUBCOMMAND ...` with the environment torchru
 terminal's Ctrl-C reaches the launcher alone; rank 0 keeps the launcher's stdin. What a service
 manager needs from it:
 
-- SIGTERM or SIGINT: passed on to rank 0 (as it came to a server, else as SIGTERM); it drains (the server: up to
-  `server.shutdown_timeout`) and tells the other ranks to stop; the launcher exits with the
-  ranks' status, 0 after a clean drain, without a traceback. A second signal kills every rank
-  at once and exits 128 + the signal's number (so does the first, on a host without rank 0).
+- SIGTERM or SIGINT: passed on to rank 0 (as it came to a server, else as SIGTERM); it drains (the
+  server: up to `server.shutdown_timeout`) and tells the other ranks to stop; the launcher exits
+  with the ranks' status, 0 after a clean drain, without a traceback. A second signal kills every
+  rank at once and exits 128 + the signal's number (so does the first, on a host without rank 0).
 - A rank that fails: the others get `grace_s` to notice (their collectives fail) before they are
   killed; the launcher exits with the first failure's status.
 - The launcher killed outright: each rank notices its parent is gone and exits

@@ -25,8 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import FlatBatch, KVCache, alibi_bias, attend_kernels, attend_reference
-from .attention import read_kv, write_kv
+from .attention import (
+    FlatBatch,
+    KVCache,
+    alibi_bias,
+    attend_kernels,
+    attend_reference,
+    read_kv,
+    write_kv,
+)
 from .dist import divide
 from .layers import (
     ColumnParallelLinear,

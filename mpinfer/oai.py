@@ -78,7 +78,9 @@ def logit_bias(f: Fields, vocab: int) -> tuple[tuple[int, float], ...]:
     out = []
     for k, v in raw.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
-            f.fail("logit_bias", f"the bias of token {k} must be a number in [-100, 100], got {v!r}")
+            f.fail(
+                "logit_bias", f"the bias of token {k} must be a number in [-100, 100], got {v!r}"
+            )
         out.append((int(k), float(v)))
     return tuple(out)
 
@@ -127,8 +129,10 @@ def vllm_options(f: Fields, stream: bool) -> dict:
     plp = f.ranged("prompt_logprobs", "int", 0, MAX_TOP_N)
     if plp is not None and stream:
         f.fail("prompt_logprobs", "is returned with the whole answer only: not with stream")
-    return {"return_token_ids": bool(f.get("return_token_ids", "bool", False)),
-            "prompt_logprobs": plp}
+    return {
+        "return_token_ids": bool(f.get("return_token_ids", "bool", False)),
+        "prompt_logprobs": plp,
+    }
 
 
 def prompt_list(value, f: Fields) -> list[str | list[int]]:

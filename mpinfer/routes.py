@@ -87,7 +87,8 @@ def build_app(state: State) -> FastAPI:
             status = "stalled"
             if not state.stall_logged:
                 log.error("no engine step completed for %.0f s with requests waiting (a rank "
-                          "stopped or a collective hangs): /health answers 503", stalled)  # fmt: skip
+                          "stopped or a collective hangs): /health answers 503",
+                          stalled)  # fmt: skip
             state.stall_logged = True
         else:
             state.stall_logged = False

@@ -9,11 +9,11 @@ once. Greedy and sampling rows mix in one batch; nothing here loops over rows on
 
 Processors, in transformers' order: logit bias and allowed tokens, repetition penalty (over the
 prompt and the generated tokens), OpenAI's frequency and presence penalties (generated tokens),
-temperature, top-k, top-p, min-p, typical-p. A sampling row draws by inverting its distribution's CDF at one uniform number made
-from its seed and the token's index in the request (a counter-based generator, `uniform`), so a
-seeded request gives the same tokens alone or in any batch. Log-probabilities are those of the
-model's own distribution (the raw logits), as vLLM reports them. What is not here: stop
-conditions and text (engine.py, detok.py).
+temperature, top-k, top-p, min-p, typical-p. A sampling row draws by inverting its distribution's
+CDF at one uniform number made from its seed and the token's index in the request (a counter-based
+generator, `uniform`), so a seeded request gives the same tokens alone or in any batch.
+Log-probabilities are those of the model's own distribution (the raw logits), as vLLM reports
+them. What is not here: stop conditions and text (engine.py, detok.py).
 """
 
 from __future__ import annotations

@@ -270,8 +270,13 @@ def verify_dir(out: Path, *, quiet: bool = False) -> list[str]:
 def read_manifest(out: Path) -> dict:
     path = Path(out) / MANIFEST
     if not path.exists():
-        what = ("a model directory that is not sharded" if (Path(out) / "config.json").exists()
-                else "not a sharded checkpoint" if Path(out).is_dir() else "not a directory")
+        what = (
+            "a model directory that is not sharded"
+            if (Path(out) / "config.json").exists()
+            else "not a sharded checkpoint"
+            if Path(out).is_dir()
+            else "not a directory"
+        )
         raise CheckpointError(f"{out} has no {MANIFEST}: {what} (`mpinfer shard` writes one; "
                               "an HF checkpoint directory loads as it is)")  # fmt: skip
     try:

@@ -107,8 +107,9 @@ def make_router(state: State) -> APIRouter:
         try:
             state.require_ready()
             parsed = parse_tgi(await request.body(), state, stream=stream)
-            sub = await Submission.create(state, parsed.jobs, status=STATUS,
-                                          names={"prompt": "inputs"})
+            sub = await Submission.create(
+                state, parsed.jobs, status=STATUS, names={"prompt": "inputs"}
+            )
         except ApiError as e:
             state.count(request, e.status)
             return JSONResponse(tgi_error(e), status_code=e.status)

@@ -201,7 +201,8 @@ def scenarios(runner, ctx, tok):
     engine._launch_next = cancel_after_two_steps
     engine.run(until_idle=True)
     out["cancel_mid_prompt"] = {"result": as_dict(box["result"]), "free": len(engine.free),
-                                "steps": engine.steps, "other": as_dict(other["result"])}  # fmt: skip
+                                "steps": engine.steps,
+                                "other": as_dict(other["result"])}  # fmt: skip
 
     # 9. A request whose sink raises on its third token fails alone: the others in its batch
     #    finish as they do alone, and the engine goes on.

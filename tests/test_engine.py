@@ -237,25 +237,25 @@ def test_one_flat_forward_equals_separate_padded_forwards():
         # Step 1: every row's first tokens, as one flat batch of four chunks.
         cuts = {0: 20, 1: 1, 2: 17, 3: 25}
 
-        def run(segments, ids):
+        def run(segments, ids, cache):
             seq = [r for r, _, n, _ in segments for _ in range(n)]
             pos = [p + j for _, _, n, p in segments for j in range(n)]
-            batch = FlatBatch(torch.tensor(seq), torch.tensor(pos), torch.zeros(0, dtype=torch.long),
-                              torch.zeros(0, dtype=torch.long), torch.zeros((4, 0), dtype=torch.long),
-                              segments)  # fmt: skip
-            return model.forward_flat(torch.tensor(ids), flat, batch)
+            none = torch.zeros(0, dtype=torch.long)
+            batch = FlatBatch(torch.tensor(seq), torch.tensor(pos), none, none,
+                              torch.zeros((4, 0), dtype=torch.long), segments)  # fmt: skip
+            return model.forward_flat(torch.tensor(ids), cache, batch)
 
         segs, ids, at = [], [], 0
         for r, c in cuts.items():
             segs.append((r, at, c, 0))
             ids += history[r][:c].tolist()
             at += c
-        h1 = run(segs, ids)
+        h1 = run(segs, ids, flat)
         # Step 2: rows 1 and 2 decode one token each, rows 0 and 3 continue their prompts.
         segs2 = [(1, 0, 1, 1), (2, 1, 1, 17), (0, 2, 10, 20), (3, 12, 15, 25)]
         extra = {1: torch.tensor([5]), 2: torch.tensor([9])}
         ids2 = [5, 9, *history[0][20:30].tolist(), *history[3][25:40].tolist()]
-        h2 = run(segs2, ids2)
+        h2 = run(segs2, ids2, flat)
         full = {0: history[0], 1: torch.cat([history[1], extra[1]]),
                 2: torch.cat([history[2], extra[2]]), 3: history[3]}  # fmt: skip
         for r, seq in full.items():

@@ -341,8 +341,9 @@ def test_flat_step_kernels_match_the_reference_attention(dtype, block_size):
     ids, nxt, seq, pos, dec_seq, dec_pos, sample, tiles = inputs.views()
     qkv = torch.randn(512, heads * 3 * hd, device="cuda", dtype=dtype, generator=g)
     slopes = alibi_slopes(heads).cuda()
-    out_k = attend_kernels(qkv, caches[0].k[0], caches[0].v[0], caches[0].tables,
-                           FlatBatch(seq, pos, dec_seq, dec_pos, tiles), slopes, heads, hd)  # fmt: skip
+    batch = FlatBatch(seq, pos, dec_seq, dec_pos, tiles)
+    out_k = attend_kernels(qkv, caches[0].k[0], caches[0].v[0], caches[0].tables, batch, slopes,
+                           heads, hd)  # fmt: skip
     ref_batch = FlatBatch(seq[:n], pos[:n], dec_seq[:3], dec_pos[:3], tiles, lay.segments(step))
     out_r = attend_reference(qkv[:n].float(), caches[1].k[0], caches[1].v[0], caches[1].tables,
                              ref_batch, slopes, heads, hd)  # fmt: skip

@@ -43,7 +43,7 @@ SAMPLE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_]+="([^"\\\n]|\\.)*",
 def test_metrics_stay_parseable_and_bounded_whatever_paths_clients_try(guarded):
     """A 404 path holding a quote, a brace and a newline, and 300 distinct 20 KB paths: the
     page still parses line by line as Prometheus text, and it does not grow with the paths."""
-    httpx.get(guarded.url + '/x%22%7D%0Aevil_metric%201', timeout=5)
+    httpx.get(guarded.url + "/x%22%7D%0Aevil_metric%201", timeout=5)
     before = len(httpx.get(guarded.url + "/metrics", timeout=5).text)
     with httpx.Client(timeout=10) as c:
         for i in range(300):
@@ -76,8 +76,8 @@ def test_a_client_that_gives_up_on_a_plain_request_frees_its_slot(guarded):
     about a second: its slot is free and the cancellation counted."""
     cancelled = guarded.metric("mpinfer_cancelled_requests_total")
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(guarded.url + "/generate", timeout=1,
-                   json={"inputs": "the river", "parameters": {"max_new_tokens": 2000}})  # fmt: skip
+        body = {"inputs": "the river", "parameters": {"max_new_tokens": 2000}}
+        httpx.post(guarded.url + "/generate", timeout=1, json=body)
     deadline = time.time() + 5
     while time.time() < deadline and guarded.metric("mpinfer_running_slots") > 0:
         time.sleep(0.1)
@@ -154,8 +154,8 @@ def test_browser_and_rebinding_requests_are_refused(guarded):
         headers = {"content-type": ctype} if ctype else {}
         r = httpx.post(guarded.url + "/generate", content=body, headers=headers, timeout=10)
         assert r.status_code == 415, (ctype, r.text)
-    r = httpx.post(guarded.url + "/generate", content=body, timeout=10,
-                   headers={"content-type": "application/json", "host": "evil.example:80"})  # fmt: skip
+    foreign = {"content-type": "application/json", "host": "evil.example:80"}
+    r = httpx.post(guarded.url + "/generate", content=body, timeout=10, headers=foreign)
     assert r.status_code == 421 and "allowed_hosts" in r.json()["error"]
     r = httpx.post(guarded.url + "/generate", content=body, timeout=10,
                    headers={"content-type": "application/json; charset=utf-8"})  # fmt: skip

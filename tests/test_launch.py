@@ -228,7 +228,8 @@ def test_a_port_in_use_is_one_clear_line_before_spawning(ckpts):
         proc = mpinfer_cmd("serve", "--nproc", "2", "--model", str(ckpts["st_sharded"]),
                            "--port", str(port))  # fmt: skip
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: cannot serve on 127.0.0.1:{port}")
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: cannot serve on 127.0.0.1:{port}")
     assert "[rank" not in proc.stderr and "Traceback" not in proc.stderr
 
 

@@ -271,8 +271,9 @@ def test_no_rank_listens_beyond_loopback(server):
 
     import psutil
 
-    listening = [(p.pid, c.laddr) for p in [psutil.Process(server.proc.pid), *server.ranks]
-                 for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]  # fmt: skip
+    procs = [psutil.Process(server.proc.pid), *server.ranks]
+    listening = [(p.pid, c.laddr) for p in procs for c in p.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN]  # fmt: skip
     assert len(listening) >= 3  # HTTP, the store, gloo at least
     assert all(ipaddress.ip_address(a.ip).is_loopback for _, a in listening), listening
 

@@ -14,7 +14,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from .test_openai import oracle_logprobs, post, tok  # noqa: F401 (tok: a fixture)
+from .test_openai import oracle_logprobs, post
+from .test_openai import tok as tok  # a fixture, used by name
 
 GREEDY = {"prompt": "the river and the king", "max_tokens": 8, "temperature": 0}
 
@@ -79,9 +80,15 @@ def test_usage_is_exact_in_every_mode(server):
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
             **body, "stream": True, "stream_options": {"include_usage": True}}) as r:  # fmt: skip
         chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
-    assert chunks[-1]["usage"] == plain == {"prompt_tokens": plain["prompt_tokens"],
-                                            "completion_tokens": 12,
-                                            "total_tokens": plain["prompt_tokens"] + 12}
+    assert (
+        chunks[-1]["usage"]
+        == plain
+        == {
+            "prompt_tokens": plain["prompt_tokens"],
+            "completion_tokens": 12,
+            "total_tokens": plain["prompt_tokens"] + 12,
+        }
+    )
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
             **body, "stream": True,
             "stream_options": {"continuous_usage_stats": True}}) as r:  # fmt: skip
@@ -106,8 +113,9 @@ def test_include_stop_str_in_output(server):
     text = post(server, "/v1/completions", GREEDY)["choices"][0]["text"]
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     cut = post(server, "/v1/completions", {**GREEDY, "stop": [stop]})["choices"][0]["text"]
-    kept = post(server, "/v1/completions", {**GREEDY, "stop": [stop],
-                                            "include_stop_str_in_output": True})["choices"][0]
+    kept = post(
+        server, "/v1/completions", {**GREEDY, "stop": [stop], "include_stop_str_in_output": True}
+    )["choices"][0]
     assert kept["text"] == cut + stop and kept["finish_reason"] == "stop"
 
 
@@ -137,8 +145,16 @@ def test_chat_prompt_controls_tokenize_version_and_models(server):
     assert without["tokens"] == with_prompt["tokens"][: len(without["tokens"])]
     assert len(with_prompt["tokens"]) > len(without["tokens"])
     assert "".join(with_prompt["token_strs"]).endswith("Assistant:")
-    cont = post(server, "/tokenize", {"messages": msgs, "continue_final_message": True,
-                                      "add_generation_prompt": False, "return_token_strs": True})
+    cont = post(
+        server,
+        "/tokenize",
+        {
+            "messages": msgs,
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+            "return_token_strs": True,
+        },
+    )
     assert "".join(cont["token_strs"]).endswith("The river")
     out = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2,
                                                 "continue_final_message": True,

@@ -393,11 +393,13 @@ def run_serve_gpu(a) -> dict:
         result["sustained"] = {}
         for clients in a.closed_clients:
             result["sustained"][f"closed-{clients}"] = asyncio.run(
-                loadgen.closed_loop(server.url, clients, a.sustain_s))
+                loadgen.closed_loop(server.url, clients, a.sustain_s)
+            )
             print(json.dumps(result["sustained"][f"closed-{clients}"]), flush=True)
         for rate in a.rates:
             result["sustained"][f"poisson-{rate:g}"] = asyncio.run(
-                loadgen.open_loop(server.url, rate, a.sustain_s))
+                loadgen.open_loop(server.url, rate, a.sustain_s)
+            )
             print(json.dumps(result["sustained"][f"poisson-{rate:g}"]), flush=True)
         if a.profile:  # after the measured phases: the profiler takes a little of the CPU
             spy = profile(pid, 8, spy_dir / "profile-sustained.txt")
@@ -436,8 +438,10 @@ def run_serve_gpu(a) -> dict:
         "served_32_over_transformers": result["served_tok_per_s_32clients"]
         / result["transformers_tok_per_s_b32"],
         "first_burst_over_warm": p["32-first"]["tok_per_s"] / p["32-again"]["tok_per_s"],
-        **{f"{k}_over_ideal": r["tok_per_s"] / r["ideal_tok_s"]
-           for k, r in result["sustained"].items()},
+        **{
+            f"{k}_over_ideal": r["tok_per_s"] / r["ideal_tok_s"]
+            for k, r in result["sustained"].items()
+        },
     }
     return result
 
@@ -496,12 +500,25 @@ def main(argv: list[str]) -> int:
     p.add_argument("--gpu", action="store_true", help="serve: the served speed on this GPU")
     p.add_argument("--shape", default="bloom-7b1", choices=list(SHAPES), help="with --gpu")
     p.add_argument("--profile", action="store_true", help="with --gpu: py-spy the serving rank")
-    p.add_argument("--sustain-s", type=float, default=20, help="with --gpu: seconds per "
-                   "sustained phase (loadgen.py's mixed prompt and output lengths)")
-    p.add_argument("--closed-clients", type=lambda v: [int(x) for x in v.split(",")],
-                   default=[32], help="with --gpu: closed-loop client counts (default 32)")
-    p.add_argument("--rates", type=lambda v: [float(x) for x in v.split(",")],
-                   default=[8.0, 16.0], help="with --gpu: Poisson request rates per second")
+    p.add_argument(
+        "--sustain-s",
+        type=float,
+        default=20,
+        help="with --gpu: seconds per "
+        "sustained phase (loadgen.py's mixed prompt and output lengths)",
+    )
+    p.add_argument(
+        "--closed-clients",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[32],
+        help="with --gpu: closed-loop client counts (default 32)",
+    )
+    p.add_argument(
+        "--rates",
+        type=lambda v: [float(x) for x in v.split(",")],
+        default=[8.0, 16.0],
+        help="with --gpu: Poisson request rates per second",
+    )
     a = p.parse_args(argv)
     Path(a.workdir).mkdir(parents=True, exist_ok=True)
     if a.gpu:
