@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from . import __version__, oairoutes, tgi
@@ -161,28 +162,7 @@ def build_app(state: State) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        e = state.engine
-        lines = [
-            "# TYPE mpinfer_queue_depth gauge", f"mpinfer_queue_depth {e.queue_depth if e else 0}",
-            "# TYPE mpinfer_running_slots gauge",
-            f"mpinfer_running_slots {e.running_slots if e else 0}",
-            "# TYPE mpinfer_generated_tokens_total counter",
-            f"mpinfer_generated_tokens_total {e.generated_tokens if e else 0}",
-            "# TYPE mpinfer_engine_steps_total counter",
-            f"mpinfer_engine_steps_total {e.steps if e else 0}",
-            "# TYPE mpinfer_failed_requests_total counter",
-            f"mpinfer_failed_requests_total {e.failed_requests if e else 0}",
-            "# TYPE mpinfer_cancelled_requests_total counter",
-            f"mpinfer_cancelled_requests_total {state.cancelled}",
-            "# TYPE mpinfer_requests_total counter",
-        ]  # fmt: skip
-        with state.lock:
-            for (route, status), n in sorted(state.requests.items()):
-                lines.append(f'mpinfer_requests_total{{route="{route}",status="{status}"}} {n}')
-            lines += state.ttft.render("mpinfer_time_to_first_token_seconds")
-            lines += state.tpot.render("mpinfer_time_per_output_token_seconds")
-            lines += state.latency.render("mpinfer_request_latency_seconds")
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
     state.paths = set(route_paths(app.routes))
     return app

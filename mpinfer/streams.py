@@ -18,6 +18,9 @@ import threading
 import time
 from collections import defaultdict
 
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from .api import ApiError, Job, check_text, rename
 from .chat import ChatTemplate
 from .config import RunConfig
@@ -27,23 +30,35 @@ from .request import EngineFailed, Event, QueueFull, Result
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
-class Histogram:
-    def __init__(self):
-        self.counts = [0] * (len(BUCKETS) + 1)
-        self.sum, self.n = 0.0, 0
+class EngineMetrics:
+    """A prometheus_client collector: the engine's counters and gauges and the requests by
+    route, read when /metrics is scraped (the engine keeps plain integers on its thread)."""
 
-    def observe(self, v: float) -> None:
-        self.counts[next((i for i, b in enumerate(BUCKETS) if v <= b), len(BUCKETS))] += 1
-        self.sum += v
-        self.n += 1
+    def __init__(self, state: State):
+        self.state = state
 
-    def render(self, name: str) -> list[str]:
-        lines, total = [f"# TYPE {name} histogram"], 0
-        for b, c in zip(BUCKETS, self.counts):
-            total += c
-            lines.append(f'{name}_bucket{{le="{b}"}} {total}')
-        lines.append(f'{name}_bucket{{le="+Inf"}} {self.n}')
-        return lines + [f"{name}_sum {self.sum}", f"{name}_count {self.n}"]
+    def collect(self):
+        e, st = self.state.engine, self.state
+        for name, kind, doc, value in (
+            ("mpinfer_queue_depth", GaugeMetricFamily, "requests waiting for a slot",
+             e.queue_depth if e else 0),
+            ("mpinfer_running_slots", GaugeMetricFamily, "requests in a KV-cache slot",
+             e.running_slots if e else 0),
+            ("mpinfer_generated_tokens", CounterMetricFamily, "tokens generated",
+             e.generated_tokens if e else 0),
+            ("mpinfer_engine_steps", CounterMetricFamily, "engine steps run", e.steps if e else 0),
+            ("mpinfer_failed_requests", CounterMetricFamily, "requests ended by an error",
+             e.failed_requests if e else 0),
+            ("mpinfer_cancelled_requests", CounterMetricFamily,
+             "requests whose client went away", st.cancelled),
+        ):  # fmt: skip
+            yield kind(name, doc, value=value)
+        requests = CounterMetricFamily("mpinfer_requests", "answered requests by route template "
+                                       "and status", labels=["route", "status"])  # fmt: skip
+        with st.lock:
+            for (route, status), n in sorted(st.requests.items()):
+                requests.add_metric([route, str(status)], n)
+        yield requests
 
 
 class Dispatcher:
@@ -87,7 +102,19 @@ class State:
         self.info: dict = {}
         self.requests = defaultdict(int)  # (route, status) -> count
         self.paths: set[str] = set()  # the app's routes (build_app fills it)
-        self.ttft, self.latency, self.tpot = Histogram(), Histogram(), Histogram()
+        # A registry of this server's own (prometheus_client's default one is process-global):
+        # the engine's figures, three latency histograms and the process's CPU, memory and fds.
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineMetrics(self))
+        ProcessCollector(registry=self.registry)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=BUCKETS, registry=self.registry)
+
+        self.ttft = histogram("mpinfer_time_to_first_token_seconds", "time to first token")
+        self.tpot = histogram("mpinfer_time_per_output_token_seconds",
+                              "time per output token after the first")  # fmt: skip
+        self.latency = histogram("mpinfer_request_latency_seconds", "request latency")
         self.cancelled = 0
         self.stall_logged = False
         self.lock = threading.Lock()

@@ -52,6 +52,12 @@ def test_metrics_stay_parseable_and_bounded_whatever_paths_clients_try(guarded):
     for line in page.splitlines():
         assert line.startswith("#") or SAMPLE.match(line), line[:200]
     assert "evil_metric" not in page and 'route="unmatched"' in page
+    # prometheus_client's own parser reads it, HELP and TYPE for every family, process metrics.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = {f.name for f in text_string_to_metric_families(page)}
+    assert {"mpinfer_requests", "mpinfer_running_slots", "mpinfer_request_latency_seconds",
+            "process_resident_memory_bytes"} <= names  # fmt: skip
     assert len(page) < before + 200  # one more count, no new series
 
 
