@@ -23,7 +23,7 @@ import pytest
 
 from mpinfer.dist import torchrun_command
 from mpinfer.launcher import free_port
-from mpinfer.tools.servebench import wait_ready
+from mpinfer.tools.serverproc import wait_ready
 from mpinfer.tools.tiny import make_tiny
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ import httpx
 import tomllib
 
 from mpinfer.launcher import free_port
-from mpinfer.tools.servebench import wait_ready
+from mpinfer.tools.serverproc import wait_ready
 
 from .conftest import ENV, ROOT
 

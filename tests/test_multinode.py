@@ -23,7 +23,7 @@ import torch
 
 from mpinfer.launcher import free_port
 from mpinfer.sharded import MANIFEST, rank_file, shard_checkpoint
-from mpinfer.tools.servebench import wait_ready
+from mpinfer.tools.serverproc import wait_ready
 
 from .conftest import ENV, ROOT
 

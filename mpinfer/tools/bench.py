@@ -5,7 +5,8 @@ under bench/results/, side by side with its baselines in one run.
     kernels   the W8A16 matmul and the decode attention alone (kernelbench.py)
     load      shard and start times and host RAM, CPU (loadbench.py)
     engine    the engine's tokens/s against concurrency, CPU (servebench.py)
-    serve     the real server through HTTP: CPU, or `--gpu` for the served speed (servebench.py)
+    serve     the real server through HTTP: CPU (servebench.py), or `--gpu` for the served speed
+              (servegpu.py)
 """
 
 from __future__ import annotations

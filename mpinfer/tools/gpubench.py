@@ -9,7 +9,7 @@ mpinfer's decode step is the engine's: `ModelRunner.execute` of a decode step, w
 the same captured graph the server replays. `--simulate-tp 8` adds one rank's shard of
 BLOOM-176B at tp 8 (collectives skipped and counted). Writes JSON and a markdown table under
 bench/results/. What is not here: CPU benchmarks (loadbench.py, servebench.py), the served
-speed on a GPU (servebench.py).
+speed on a GPU (servegpu.py).
 """
 
 from __future__ import annotations

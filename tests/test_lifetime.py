@@ -1,0 +1,159 @@
+"""How a served job lives and dies, as real processes: a rank killed, SIGTERM and SIGINT to
+`mpinfer serve` (drain, exit 0, no traceback; a second signal at once), the launcher killed
+outright (no rank outlives it), and `mpinfer generate --nproc` staying quiet. Each test starts
+its own server on the tiny model (127.0.0.1, a free port)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from .conftest import ENV, ROOT, Server
+
+
+def test_sigkill_of_rank_1_ends_every_process_nonzero(ckpts):
+    s = Server(ckpts["st_sharded"], "server.max_seq_len=256", launcher="torchrun")
+    try:
+        outcome = {}
+
+        def stream():
+            try:
+                with httpx.stream(
+                    "POST",
+                    s.url + "/generate_stream",
+                    timeout=60,
+                    json={"inputs": "a", "parameters": {"max_new_tokens": 200}},
+                ) as r:
+                    outcome["events"] = [line for line in r.iter_lines() if line]
+            except httpx.HTTPError as e:
+                outcome["error"] = repr(e)
+
+        t = threading.Thread(target=stream)
+        t.start()
+        time.sleep(1.0)
+        t0 = time.time()
+        os.kill(s.rank_pid(1), signal.SIGKILL)
+        code = s.proc.wait(timeout=90)
+        assert code != 0
+        assert time.time() - t0 < 60
+        t.join(timeout=30)
+        # The client saw the failure: an error event, or the connection ended without a final one.
+        events = outcome.get("events", [])
+        assert "error" in outcome or not events or 'generated_text": "' not in events[-1]
+    finally:
+        s.stop()
+
+
+def test_mpinfer_serve_stops_cleanly_on_sigterm_and_at_once_on_a_second(ckpts):
+    """The launcher a service manager runs: SIGTERM drains an in-flight request, every rank
+    and the launcher exit 0, no traceback; a second signal during a drain ends everything at
+    once with a non-zero status."""
+    s = Server(ckpts["st_sharded"], "server.max_seq_len=300", "server.shutdown_timeout=30")
+    try:
+        result = {}
+        body = {"inputs": "a", "parameters": {"max_new_tokens": 120, "details": True}}
+        t = threading.Thread(target=lambda: result.update(
+            r=httpx.post(s.url + "/generate", json=body, timeout=60)))  # fmt: skip
+        t.start()
+        while s.metric("mpinfer_running_slots") < 1:
+            time.sleep(0.02)
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=60) == 0, s.output()[-3000:]
+        t.join(timeout=30)
+        assert result["r"].status_code == 200
+        assert result["r"].json()["details"]["generated_tokens"] == 120
+        assert "Traceback" not in s.output() and all(not p.is_running() for p in s.ranks)
+    finally:
+        s.stop()
+    s = Server(ckpts["st_sharded"], "server.max_seq_len=300", "server.shutdown_timeout=30")
+    try:
+        body = {"inputs": "a", "parameters": {"max_new_tokens": 290}}
+
+        def in_flight():
+            with contextlib.suppress(httpx.HTTPError):  # the server goes away mid-request
+                httpx.post(s.url + "/generate", json=body, timeout=60)
+
+        t = threading.Thread(target=in_flight)
+        t.start()
+        while s.metric("mpinfer_running_slots") < 1:
+            time.sleep(0.02)
+        t0 = time.time()
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        s.proc.send_signal(signal.SIGINT)
+        assert s.proc.wait(timeout=30) != 0
+        assert time.time() - t0 < 10  # not the 30 s drain
+        t.join(timeout=30)
+    finally:
+        s.stop()
+
+
+def test_sigint_is_named_as_sigint_and_docs_are_off_offline(ckpts):
+    """Ctrl-C's signal sent to `mpinfer serve` drains as SIGTERM does, and the log names it;
+    /info's version is the installed package's; /docs (CDN scripts) is off unless asked."""
+    from importlib.metadata import version
+
+    s = Server(ckpts["st_sharded"], "server.max_seq_len=300")
+    try:
+        assert httpx.get(s.url + "/info").json()["version"] == version("mpinfer")
+        assert httpx.get(s.url + "/docs").status_code == 404
+        assert httpx.get(s.url + "/openapi.json").status_code == 200
+        s.proc.send_signal(signal.SIGINT)
+        assert s.proc.wait(timeout=60) == 0, s.output()[-3000:]
+        assert "SIGINT: draining" in s.output() and "SIGTERM" not in s.output()
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("launcher", ["mpinfer", "torchrun"])
+def test_no_rank_outlives_its_launcher_killed_outright(ckpts, launcher):
+    """SIGKILL of the launcher: it can forward nothing, and its ranks run in sessions of their
+    own; each rank notices its parent is gone and exits within seconds."""
+    s = Server(ckpts["st_sharded"], nproc=2, launcher=launcher)
+    try:
+        ranks = s.ranks
+        assert len(ranks) == 2
+        os.kill(s.proc.pid, signal.SIGKILL)
+        deadline = time.time() + 10
+        while (
+            any(p.is_running() and p.status() != "zombie" for p in ranks) and time.time() < deadline
+        ):
+            time.sleep(0.1)
+        assert not any(p.is_running() and p.status() != "zombie" for p in ranks)
+    finally:
+        s.stop()
+
+
+def test_mpinfer_generate_nproc_is_quiet_and_says_so(ckpts):
+    """No OMP_NUM_THREADS banner from torch, no traceback: the thread count is set and said."""
+    env = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mpinfer.cli",
+            "generate",
+            "--nproc",
+            "2",
+            "--model",
+            str(ckpts["st_sharded"]),
+            "--max-new-tokens",
+            "4",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Setting OMP_NUM_THREADS" not in proc.stderr and "Traceback" not in proc.stderr
+    assert "OMP_NUM_THREADS=" in proc.stderr
