@@ -46,7 +46,7 @@ COMMANDS = {
     "verify": ("mpinfer.cli:verify_main", "check a sharded directory's checksums"),
     "plan": ("mpinfer.cli:plan_main", "GPU memory a config needs, per GPU size and tp"),
     "make-tiny": ("mpinfer.tools.tiny:main", "write a random BLOOM checkpoint (tests, demo)"),
-    "bench": ("mpinfer.tools.bench:main", "benchmarks: gpu, kernels, load, engine, serve"),
+    "bench": ("mpinfer.tools.bench:main", "benchmarks: gpu, kernels, load, engine, serve, kv"),
 }
 RANK_COMMANDS = ("serve", "repl", "generate")
 HELP = """usage: mpinfer COMMAND [options]    (mpinfer COMMAND --help for each)
@@ -286,8 +286,15 @@ def plan_main(argv: list[str]) -> int:
     p.add_argument("--gpu-mem", help="memory per GPU, e.g. 24GiB (default: model.memory_budget)")
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: parallel.tp_size)")
     p.add_argument("--arch", help="the model's config.json (default: model.path's, or model.arch)")
+    p.add_argument(
+        "--request",
+        default="512+256",
+        metavar="PROMPT+OUTPUT",
+        help="the request shape to count sequences at once for (default 512+256)",
+    )
     a = p.parse_args(argv)
     try:
+        request = parse_request_shape(a.request)
         overrides = list(a.overrides)
         for flag, key in ((a.model, "model.path"), (a.quant, "quant.method"),
                           (a.dtype, "model.dtype")):  # fmt: skip
@@ -314,11 +321,11 @@ def plan_main(argv: list[str]) -> int:
         f"heads; quant={quant}, dtype={cfg.model.dtype}, max_seq_len={cfg.server.max_seq_len}"
     )
     if budget is None:
-        return print_plan_table(shape, cfg, tp)
+        return print_plan_table(shape, cfg, tp, request)
     tp = tp or 1
     plan = plan_memory(shape, cfg, tp_size=tp, budget=budget)
     print(f"tp={tp}")
-    print("\n".join(plan.lines()))
+    print("\n".join(plan.lines(request)))
     if not plan.fits:
         print(f"does not fit: needs {plan.one_slot / GIB:.2f} GiB per GPU, has {budget / GIB:.2f}; "
               f"{suggest(shape, cfg, tp_size=tp, budget=budget)}")  # fmt: skip
@@ -326,16 +333,30 @@ def plan_main(argv: list[str]) -> int:
     return 0
 
 
-def print_plan_table(shape: BloomShape, cfg, tp: int | None) -> int:
+def parse_request_shape(text: str) -> tuple[int, int]:
+    """'512+256' -> (512, 256)."""
+    prompt, plus, output = text.partition("+")
+    if not (plus and prompt.strip().isdigit() and output.strip().isdigit()):
+        raise ValueError(f"--request={text!r}: expected PROMPT+OUTPUT tokens, e.g. 512+256")
+    return int(prompt), int(output)
+
+
+def print_plan_table(shape: BloomShape, cfg, tp: int | None, request=(512, 256)) -> int:
     budgets = [(g, parse_bytes(g, "gpu")) for g in COMMON_GPUS]
-    rows = plan_table(shape, cfg, budgets=budgets, tp_sizes=[tp] if tp else tp_sizes_for(shape))
+    rows = plan_table(shape, cfg, budgets=budgets, tp_sizes=[tp] if tp else tp_sizes_for(shape),
+                      request=request)  # fmt: skip
+    shape_col = f"{request[0]}+{request[1]}"
     print(f"{'GPU':>6} {'tp':>3}  {'fits':<4} {'weights/GPU':>12} {'total/GPU':>10} "
-          f"{'KV tokens':>10} {'slots':>6}")  # fmt: skip
+          f"{'KV tokens':>10} {shape_col:>9} {'max_seq':>7}")  # fmt: skip
     for r in rows:
         print(f"{r['gpu']:>6} {r['tp']:>3}  {'yes' if r['fits'] else 'no':<4} "
               f"{r['weights'] / GIB:>8.2f} GiB {r['total'] / GIB:>6.2f} GiB "
-              f"{r['kv_tokens']:>10} {r['slots']:>6}")  # fmt: skip
-    print("(--gpu-mem SIZE [--tp N] for one GPU's details)")
+              f"{r['kv_tokens']:>10} {r['sequences']:>9} {r['slots']:>7}")  # fmt: skip
+    print(
+        f"(sequences at once of {shape_col} tokens and of max_seq_len="
+        f"{cfg.server.max_seq_len}, at most server.max_batch_slots={cfg.server.max_batch_slots};"
+        " --gpu-mem SIZE [--tp N] for one GPU's details)"
+    )
     return 0 if any(r["fits"] for r in rows) else 1
 
 

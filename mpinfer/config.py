@@ -79,8 +79,21 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str = ""
-    max_batch_slots: int = 8
+    # Sequences in the KV cache at once (cache rows), a cap: how many actually run is decided
+    # by the cache's free blocks (engine.py).
+    max_batch_slots: int = 32
     max_seq_len: int = 2048
+    # The KV cache in blocks of this many tokens (blocks.py); max_seq_len gives the old static
+    # layout (one block per sequence).
+    kv_block_size: int = 16
+    # Tokens of KV cache: 0 = all the GPU memory left after the weights and workspace (on a CPU,
+    # max_batch_slots x max_seq_len); otherwise at most this many.
+    kv_cache_tokens: int = 0
+    # Reuse the cached blocks of a prompt's prefix that an earlier request computed.
+    prefix_caching: bool = True
+    # "auto": keys and values in the model's dtype; "int8": int8 with a scale per token and
+    # head (about half the memory: twice the tokens; docs/performance.md has its accuracy).
+    kv_cache_dtype: str = "auto"
     max_queue: int = 128
     # Seconds to finish in-flight requests after SIGTERM/SIGINT before cancelling them; keep it
     # under torchrun's own 30 s grace period.
@@ -159,6 +172,14 @@ class RunConfig:
                     "idle_timeout_s", "max_jobs_per_request", "stall_timeout_s"):  # fmt: skip
             if getattr(s, key) <= 0:
                 raise ValueError(f"server.{key}={getattr(s, key)} must be > 0")
+        if s.kv_block_size <= 0:
+            raise ValueError(f"server.kv_block_size={s.kv_block_size} must be > 0")
+        if s.kv_cache_tokens < 0:
+            raise ValueError(f"server.kv_cache_tokens={s.kv_cache_tokens} must be >= 0 (0: all "
+                             "that fits)")  # fmt: skip
+        if s.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"server.kv_cache_dtype={s.kv_cache_dtype!r}: expected 'auto' or "
+                             "'int8'")  # fmt: skip
         if s.prefill_hold_steps < 0:
             raise ValueError(f"server.prefill_hold_steps={s.prefill_hold_steps} must be >= 0")
         return self

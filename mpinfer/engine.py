@@ -1,14 +1,15 @@
 """The generation engine on rank 0: a bounded queue, continuous batching over the KV cache's
-slots, and a step loop that keeps the GPU busy.
+blocks, and a step loop that keeps the GPU busy.
 
-Each step rank 0 admits queued requests into free slots, picks which slots decode one token and
-which prefill the next chunk of their prompt (at most `max_prefill_tokens` prompt tokens a step,
-so a long prompt does not stall running decodes), sends that `Step` to the other ranks, runs it
-(runner.py) and samples every row in one batched pass (sampling.py). The step's results come
-back to the host one step late: while the GPU runs step n+1, the host turns step n's tokens into
-text, checks stop conditions and hands events to each request's sink. A step never waits for the
-previous one's tokens: decode inputs stay on the device. The price: a request that stops on EOS
-or a stop string has one more row computed that nobody reads.
+Each step rank 0 admits queued requests into free rows and KV blocks, picks which rows decode
+one token and which prefill the next chunk of their prompt (at most `max_prefill_tokens` prompt
+tokens a step, so a long prompt does not stall running decodes), preempting the newest sequence
+when the blocks run out (all of that is scheduler.py, which Engine extends), sends that `Step` to
+the other ranks, runs it (runner.py) and samples every row in one batched pass (sampling.py).
+The step's results come back to the host one step late: while the GPU runs step n+1, the host
+turns step n's tokens into text, checks stop conditions and hands events to each request's sink.
+A step never waits for the previous one's tokens: decode inputs stay on the device. The price: a
+request that stops on EOS or a stop string has one more row computed that nobody reads.
 
 Failures: an error while handling one request's results (a non-finite distribution, a stop or
 detokenization fault) ends that request with an error event; the other requests go on. An error
@@ -23,11 +24,9 @@ moves them onto its event loop, the CLI and the REPL into a plain queue. What is
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import random
-import threading
 import time
 from collections.abc import Callable
 
@@ -35,17 +34,19 @@ import torch
 
 from .dist import DistContext
 from .memory import decode_buckets
-from .request import EngineFailed, Event, InFlight, QueueFull, Request, Result, Sequence
-from .runner import IDLE, STEP, STOP, ModelRunner, Prefill, Step
+from .request import EngineFailed, Event, InFlight, QueueFull, Request, Sequence, notify
+from .runner import IDLE, STOP, ModelRunner, Step
 from .sampling import MAX_TOP_N, Row, Sampler, SamplingParams, prompt_token_logprobs
+from .scheduler import Scheduler
 
 log = logging.getLogger("mpinfer")
 
 
-class Engine:
+class Engine(Scheduler):
     def __init__(
         self, runner: ModelRunner, ctx: DistContext, tokenizer, *, max_queue: int = 128,
         max_prefill_tokens: int = 512, heartbeat_s: float = 1.0, prefill_hold_steps: int = 0,
+        prefix_caching: bool = True,
     ):  # fmt: skip
         assert ctx.is_rank0
         self.runner, self.ctx, self.tok = runner, ctx, tokenizer
@@ -59,10 +60,7 @@ class Engine:
         self.channel = runner.channel
         self.sampler = Sampler(slots=runner.slots, vocab_size=self.vocab_size,
                                eos_token_id=self.eos, device=runner.device)  # fmt: skip
-        self.free = list(range(runner.slots))
-        self.running: dict[int, Sequence] = {}
-        self.pending: collections.deque[Request] = collections.deque()
-        self.cond = threading.Condition()
+        Scheduler.__init__(self, runner, prefix_caching=prefix_caching)
         self.steps = 0
         self.generated_tokens = 0
         self.failed_requests = 0
@@ -85,6 +83,13 @@ class Engine:
                 f"max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens "
                 f"({params.max_new_tokens}) = {len(prompt_ids) + params.max_new_tokens} exceeds "
                 f"max_seq_len={self.max_seq}"
+            )
+        total, bs = self.blocks.pool.num_blocks, self.blocks.block_size
+        if self.blocks.blocks_for(len(prompt_ids) + params.max_new_tokens) > total:
+            raise ValueError(
+                f"max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens "
+                f"({params.max_new_tokens}) needs more than the whole KV cache ({total} blocks "
+                f"of {bs} = {total * bs} tokens)"
             )
         if params.max_new_tokens == 0 and params.prompt_logprobs < 0:
             raise ValueError(
@@ -125,7 +130,7 @@ class Engine:
     def cancel_all(self) -> None:
         """Cancel every queued and running request (shutdown past its timeout)."""
         with self.cond:
-            for req in list(self.pending) + [s.req for s in self.running.values()]:
+            for req in list(self.pending) + [s.req for s in self.live()]:
                 req.cancelled = True
             self.cond.notify()
 
@@ -137,13 +142,17 @@ class Engine:
     def stalled_for(self) -> float:
         """Seconds since the last completed step while work is pending (0 when idle): a rank
         that stopped (SIGSTOP, a hung collective) shows here long before the group's timeout."""
-        if not (self.pending or self.running):
+        if not (self.pending or self.running or self.preempted):
             return 0.0
         return time.monotonic() - self.progress_at
 
+    def live(self) -> list[Sequence]:
+        """Every started sequence: in the cache or preempted."""
+        return list(self.running.values()) + self.preempted
+
     @property
     def queue_depth(self) -> int:
-        return len(self.pending)
+        return len(self.pending) + len(self.preempted)
 
     @property
     def running_slots(self) -> int:
@@ -177,15 +186,18 @@ class Engine:
         try:
             while True:
                 with self.cond:
-                    if not (self.pending or self.running or self.stopping or inflight):
+                    busy = self.pending or self.running or self.preempted
+                    if not (busy or self.stopping or inflight):
                         if until_idle:
                             break
                         self.cond.wait(self.heartbeat_s)
                         self.progress_at = time.monotonic()
-                        if not (self.pending or self.running or self.stopping):
+                        if not (self.pending or self.running or self.preempted
+                                or self.stopping):  # fmt: skip
                             self.channel.send(Step(IDLE))  # keep the other ranks' waits short
                             continue
-                    if self.stopping and not (self.pending or self.running or inflight):
+                    busy = self.pending or self.running or self.preempted
+                    if self.stopping and not (busy or inflight):
                         break
                 launched = self._launch_next()
                 if inflight is not None:
@@ -202,21 +214,23 @@ class Engine:
     def _fail(self, error: str) -> None:
         with self.cond:
             self.failed = error
-            reqs = list(self.pending) + [s.req for s in self.running.values()]
+            reqs = list(self.pending) + [s.req for s in self.live()]
             self.pending.clear()
             self.running.clear()
+            self.preempted.clear()
         log.error("engine failed: %s", error)
         for req in reqs:
             notify(req, Event("error", error=error))
 
     def _launch_next(self) -> InFlight | None:
         """Admit, plan, send and launch the next step (None: nothing to run now)."""
-        for s in [s for s in self.running.values() if s.req.cancelled]:
+        for s in [s for s in self.live() if s.req.cancelled]:
             self._finish(s, "cancelled")
         self._admit()
         step, rows, ends = self._plan()
         if not (step.decode_slots or step.prefills):
             return None
+        step = dataclasses.replace(step, table=self.blocks.take_updates())
         self.channel.send(step)
         self.steps += 1
         prompt = []
@@ -249,81 +263,6 @@ class Engine:
         host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
         host.copy_(out, non_blocking=True)
         return host
-
-    def _admit(self) -> None:
-        """Queued jobs into free slots, fairly between client requests: the next slot goes to
-        the group (one request's prompts x n x best_of) with the fewest jobs running, the
-        earliest first among equals; one request's fan-out cannot hold back another's."""
-        with self.cond:
-            running = collections.Counter(s.req.group for s in self.running.values())
-            waiting: dict[int, collections.deque] = {}
-            for req in self.pending:
-                if req.cancelled:
-                    self._finish_unstarted(req)
-                else:
-                    waiting.setdefault(req.group, collections.deque()).append(req)
-            while self.free and waiting:
-                group = min(waiting, key=lambda g: (running[g], g))
-                req = waiting[group].popleft()
-                if not waiting[group]:
-                    del waiting[group]
-                running[group] += 1
-                slot = self.free.pop(0)
-                self.running[slot] = Sequence(req, slot, self.tok)
-                self.sampler.admit(slot, req.prompt_ids, req.params)
-            admitted = {id(s.req) for s in self.running.values()}
-            self.pending = collections.deque(
-                r for r in self.pending if not r.cancelled and id(r) not in admitted
-            )
-
-    def _finish_unstarted(self, req: Request) -> None:
-        result = Result(list(req.prompt_ids), finish_reason="cancelled", seed=req.params.seed)
-        result.latency_s = time.perf_counter() - req.arrival
-        notify(req, Event("done", result=result))
-
-    def _plan(self) -> tuple[Step, list[tuple[Sequence, int]], list[Sequence]]:
-        """The next step, the rows it samples (sequence, token index), and the requests that
-        end with it (prompt log-probabilities only)."""
-        seqs = sorted(self.running.values(), key=lambda s: s.req.id)
-        rows, ends = [], []
-        decode = [s for s in seqs if s.decodable]
-        slots, positions = [], []
-        for s in decode:
-            slots.append(s.slot)
-            positions.append(s.pos)
-            rows.append((s, s.scheduled))
-            s.pos += 1
-            s.scheduled += 1
-        prefills, budget = [], self.max_prefill_tokens
-        # While rows decode, a prompt that would fill little of the budget may wait a few steps
-        # for more to join it: each mixed step costs a pass at prefill speed, so fewer, fuller
-        # ones serve the same prompts sooner overall (never when nothing decodes).
-        waiting = sum(len(s.prompt_left) for s in seqs if not s.done)
-        started = any(s.prompt_left and s.pos for s in seqs if not s.done)  # never mid-prompt
-        if decode and waiting < budget and not started and self.held < self.prefill_hold_steps:
-            self.held += 1
-            budget = 0
-        elif waiting:
-            self.held = 0
-        for s in seqs:
-            if s.done or not s.prompt_left or budget <= 0:
-                continue
-            chunk = s.prompt_left[: max(budget, 1)]
-            last = len(chunk) == len(s.prompt_left)
-            params = s.req.params
-            sample = last and params.max_new_tokens > 0
-            prefills.append(Prefill(s.slot, s.pos, tuple(chunk), sample, params.prompt_logprobs,
-                                    -1 if last else s.prompt_left[len(chunk)]))  # fmt: skip
-            s.pos += len(chunk)
-            del s.prompt_left[: len(chunk)]
-            budget -= len(chunk)
-            if sample:
-                rows.append((s, 0))
-                s.scheduled = 1
-            elif last:
-                ends.append(s)
-        # The runner returns decode rows first, then the prefills in order: so are `rows`.
-        return Step(STEP, tuple(slots), tuple(positions), tuple(prefills)), rows, ends
 
     def _complete(self, f: InFlight) -> None:
         """Read a launched step's results (it ran while the next one was launched)."""
@@ -399,20 +338,9 @@ class Engine:
             tail = s.stream.finish()  # non-empty only for a cancelled request
         r.text, r.finish_reason = s.stream.text, reason
         r.latency_s = time.perf_counter() - s.req.arrival
-        with self.cond:
-            del self.running[s.slot]
-            self.free.append(s.slot)
-            self.free.sort()
+        self._leave(s)
         if reason == "error":
             self.failed_requests += 1
             notify(s.req, Event("error", error=error, result=r))
         else:
             notify(s.req, Event("done", text=tail, result=r))
-
-
-def notify(req: Request, ev: Event) -> None:
-    """A request's last event: a sink that fails here has nobody left to tell but the log."""
-    try:
-        req.sink(ev)
-    except Exception:  # the request is over either way; the engine must go on
-        log.exception("request %d: its sink failed on its %s event", req.id, ev.kind)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention import KVCache
 from .config import RunConfig, parse_bytes
 from .dist import DistContext, broadcast_object, gather_objects
 from .model import BloomShape, LoadedModel
@@ -51,6 +52,8 @@ class MemoryPlan:
     kv_bytes_per_token: int
     budget: int
     max_seq_len: int
+    block_size: int = 16
+    max_sequences: int = 32  # server.max_batch_slots: the cap on sequences at once
 
     @property
     def fixed(self) -> int:
@@ -61,12 +64,23 @@ class MemoryPlan:
         return max(0, (self.budget - self.fixed) // self.kv_bytes_per_token)
 
     @property
+    def kv_blocks(self) -> int:
+        return self.kv_tokens // self.block_size
+
+    @property
     def slots(self) -> int:
-        return self.kv_tokens // self.max_seq_len
+        """Sequences of max_seq_len at once (what the static layout of one slot per sequence
+        would allow)."""
+        return self.sequences(self.max_seq_len)
+
+    def sequences(self, tokens: int) -> int:
+        """Sequences of `tokens` (prompt + output) that fit in the cache at once, and the cap."""
+        per = -(-tokens // self.block_size)
+        return min(self.kv_blocks // per, self.max_sequences)
 
     @property
     def fits(self) -> bool:
-        return self.slots >= 1
+        return self.kv_blocks * self.block_size >= self.max_seq_len
 
     @property
     def one_slot(self) -> int:
@@ -81,15 +95,22 @@ class MemoryPlan:
             if k.startswith(("weights", "scales", "embeddings", "biases"))
         )
 
-    def lines(self) -> list[str]:
+    def lines(self, request: tuple[int, int] = (512, 256)) -> list[str]:
+        """The table `mpinfer plan` prints; `request` (prompt, output) tokens of the sequences
+        it counts."""
         out = [f"{name:<28}{nbytes / GIB:8.2f} GiB" for name, nbytes in self.items.items()]
         out += [
             f"{'total before KV cache':<28}{self.fixed / GIB:8.2f} GiB",
             f"{'budget per GPU':<28}{self.budget / GIB:8.2f} GiB",
             f"{'KV cache per token':<28}{self.kv_bytes_per_token / 2**20:8.3f} MiB",
             f"{'KV cache tokens that fit':<28}{self.kv_tokens:8d}",
-            f"{'slots of max_seq_len=' + str(self.max_seq_len):<28}{self.slots:8d}",
+            f"{'KV blocks of ' + str(self.block_size) + ' tokens':<28}{self.kv_blocks:8d}",
+            f"{'sequences of ' + f'{request[0]}+{request[1]}':<28}"
+            f"{self.sequences(sum(request)):8d}",
+            f"{'sequences of max_seq_len=' + str(self.max_seq_len):<28}{self.slots:8d}",
         ]
+        if self.sequences(sum(request)) == self.max_sequences:
+            out.append(f"(capped by server.max_batch_slots={self.max_sequences})")
         return out
 
 
@@ -132,11 +153,14 @@ def plan_memory(shape: BloomShape, cfg: RunConfig, *, tp_size: int, budget: int)
     # The sampler keeps, per slot, which tokens the prompt holds and how often each was generated.
     items["sampler state"] = slots * v * (1 + 4)
     if s.cuda_graphs:
-        # Each bucket's graph keeps its logits; the shared pool holds one step's activations.
-        buckets = decode_buckets(slots)
-        items["decode graphs"] = sum(buckets) * v * dtype_bytes + max(buckets) * 16 * h * 4
-    kv = 2 * shape.n_layer * (h // tp_size) * dtype_bytes
-    return MemoryPlan(tp_size, items, kv, budget, s.max_seq_len)
+        # Every bucket's graph leaves its hidden states and logits in two shared buffers; the
+        # shared pool holds one step's activations.
+        most = slots + s.max_prefill_tokens
+        items["step graphs"] = (slots * v + most * h) * dtype_bytes + slots * 16 * h * 4
+    act = torch.float32 if dtype_bytes == 4 else torch.float16
+    kv = KVCache.bytes_per_token(shape, tp_size, act, quantized=s.kv_cache_dtype == "int8")
+    return MemoryPlan(tp_size, items, kv, budget, s.max_seq_len,
+                      min(s.kv_block_size, s.max_seq_len), slots)  # fmt: skip
 
 
 def suggest(shape: BloomShape, cfg: RunConfig, *, tp_size: int, budget: int) -> str:
@@ -150,14 +174,16 @@ def suggest(shape: BloomShape, cfg: RunConfig, *, tp_size: int, budget: int) -> 
 
 
 def plan_table(shape: BloomShape, cfg: RunConfig, *, budgets: list[tuple[str, int]],
-               tp_sizes: list[int]) -> list[dict]:  # fmt: skip
-    """One row per (GPU size, tp size): fits or not, weights per GPU, KV tokens that fit."""
+               tp_sizes: list[int], request=(512, 256)) -> list[dict]:  # fmt: skip
+    """One row per (GPU size, tp size): fits or not, weights per GPU, KV tokens that fit, and
+    sequences at once of `request` (prompt, output) tokens and of max_seq_len."""
     rows = []
     for label, budget in budgets:
         for tp in tp_sizes:
             plan = plan_memory(shape, cfg, tp_size=tp, budget=budget)
             rows.append({"gpu": label, "tp": tp, "fits": plan.fits, "weights": plan.weights,
                          "total": plan.fixed, "kv_tokens": plan.kv_tokens,
+                         "sequences": plan.sequences(sum(request)),
                          "slots": plan.slots})  # fmt: skip
     return rows
 
@@ -191,28 +217,39 @@ def check_fits(shape: BloomShape, cfg: RunConfig, *, tp_size: int, device) -> Me
     return plan
 
 
-def kv_slots(loaded: LoadedModel, cfg: RunConfig, ctx: DistContext) -> int:
-    """KV-cache slots for the engine: the config's, fewer if the memory actually free after
-    loading holds fewer (every rank agrees on the smallest); an error if not even one fits.
-    A collective: every rank calls it at the same point of start-up."""
-    want, s = cfg.server.max_batch_slots, cfg.server
-    fit = want
+def kv_cache_size(loaded: LoadedModel, cfg: RunConfig, ctx: DistContext, *,
+                  rows: int | None = None) -> tuple[int, int]:  # fmt: skip
+    """(rows, blocks) of the engine's KV cache: blocks of server.kv_block_size tokens in the
+    memory actually free once the weights are in (every rank agrees on the smallest), at most
+    server.kv_cache_tokens; on a CPU rows x max_seq_len tokens unless that key says. Rows (the
+    sequences at once) are max_batch_slots, fewer if not even that many blocks fit. An error if
+    one max_seq_len sequence does not fit. A collective: every rank calls it at the same point
+    of start-up."""
+    s = cfg.server
+    rows = rows or s.max_batch_slots
+    bs = min(s.kv_block_size, s.max_seq_len)
+    per_row = -(-s.max_seq_len // bs)
+    fit = s.kv_cache_tokens // bs if s.kv_cache_tokens else rows * per_row
     if loaded.device.type == "cuda":
         free = torch.cuda.mem_get_info(loaded.device)[0]
         budget = budget_bytes(cfg, loaded.device)
         used = torch.cuda.memory_allocated(loaded.device)
         free = min(free, budget - used - CONTEXT_RESERVE)
         plan = plan_memory(loaded.shape, cfg, tp_size=loaded.tp.tp_size, budget=budget)
-        per_slot = plan.kv_bytes_per_token * s.max_seq_len
         beside = sum(plan.items.get(k, 0) for k in ("activation workspace", "sampler state",
-                                                     "decode graphs"))  # fmt: skip
-        fit = max(0, free - beside) // per_slot
+                                                     "step graphs"))  # fmt: skip
+        room = max(0, free - beside) // (plan.kv_bytes_per_token * bs)
+        fit = min(fit, room) if s.kv_cache_tokens else room
     fits = gather_objects(fit, ctx)
     fit = broadcast_object(min(fits) if ctx.is_rank0 else None, ctx)
-    if fit < 1:
-        raise ValueError(f"no room for a KV cache of max_seq_len={s.max_seq_len} tokens after "
-                         "loading: lower server.max_seq_len or raise tp")  # fmt: skip
-    if fit < want and ctx.is_rank0:
-        log.warning("server.max_batch_slots=%d does not fit beside the weights: using %d",
-                    want, fit)  # fmt: skip
-    return min(want, fit)
+    if fit * bs < s.max_seq_len:
+        raise ValueError(f"no room for a KV cache of one max_seq_len={s.max_seq_len} sequence "
+                         f"({fit} blocks of {bs} tokens fit): lower server.max_seq_len, raise "
+                         "tp or server.kv_cache_tokens")  # fmt: skip
+    if fit < rows and ctx.is_rank0:
+        log.warning("server.max_batch_slots=%d: only %d KV blocks fit, so at most %d sequences",
+                    rows, fit, fit)  # fmt: skip
+    if ctx.is_rank0:
+        log.info("KV cache: %d blocks of %d tokens (%d tokens), up to %d sequences at once",
+                 fit, bs, fit * bs, min(rows, fit))  # fmt: skip
+    return min(rows, fit), fit

@@ -172,12 +172,12 @@ class BloomAttention(nn.Module):
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, heads_per_rank * head_dim)
         return self.dense(out, residual=residual)
 
-    def forward_flat(self, x, k_cache, v_cache, tables, batch: FlatBatch, slopes, use_kernels,
-                     residual):  # fmt: skip
-        """The flat batch: x (N, hidden), every token of the step (attention.py)."""
+    def forward_flat(self, x, kv, tables, batch: FlatBatch, slopes, use_kernels, residual):
+        """The flat batch: x (N, hidden), every token of the step (attention.py); kv the
+        layer's (k_cache, v_cache, scales)."""
         qkv = self.query_key_value(x)  # (N, heads_per_rank * 3 * head_dim)
         attend = attend_kernels if use_kernels else attend_reference
-        out = attend(qkv, k_cache, v_cache, tables, batch, slopes, self.num_heads_per_rank,
+        out = attend(qkv, kv, tables, batch, slopes, self.num_heads_per_rank,
                      self.head_dim)  # (N, heads_per_rank * head_dim)  # fmt: skip
         return self.dense(out, residual=residual)
 
@@ -260,6 +260,7 @@ class BloomModel(nn.Module):
         logits (B, T, vocab); "hidden": the final hidden states (B, T, hidden), which
         `lm_head` turns into logits (a long prompt's, a few positions at a time)."""
         B, T = input_ids.shape
+        assert cache.k_scale is None, "the padded forward reads a cache in the model's dtype"
         if isinstance(slots, slice):
             slots = torch.arange(slots.start or 0, slots.stop, device=input_ids.device)
         positions = start_pos[:, None] + torch.arange(T, device=input_ids.device)  # (B, T)
@@ -296,8 +297,8 @@ class BloomModel(nn.Module):
             attn = block.self_attention
 
             def attend(ln, residual, i=i, attn=attn):
-                return attn.forward_flat(ln, cache.k[i], cache.v[i], cache.tables, batch,
-                                         self.slopes, use, residual)  # fmt: skip
+                return attn.forward_flat(ln, cache.layer(i), cache.tables, batch, self.slopes,
+                                         use, residual)  # fmt: skip
 
             x = block(x, attend, use)
         return layer_norm(self.ln_f, x, use)

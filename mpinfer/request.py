@@ -13,6 +13,7 @@ What is not here: how requests are scheduled (engine.py).
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ import torch
 
 from .detok import TextStream
 from .sampling import SamplingParams
+
+log = logging.getLogger("mpinfer")
 
 
 class QueueFull(Exception):
@@ -74,7 +77,8 @@ class Request:
 
 class Sequence:
     """A request in a slot (rank 0's bookkeeping). `pos` and `scheduled` count what has been
-    planned; `result` what has come back."""
+    planned; `result` what has come back. A preempted sequence has slot -1 and no blocks until
+    it is admitted again, with its prompt and what it generated as the prompt to recompute."""
 
     def __init__(self, req: Request, slot: int, tokenizer):
         self.req, self.slot = req, slot
@@ -82,6 +86,8 @@ class Sequence:
         self.pos = 0  # cache positions planned so far
         self.scheduled = 0  # tokens whose sampling has been planned
         self.done = False
+        self.blocks: list[int] = []  # the KV-cache blocks holding its positions, in order
+        self.keys: list[bytes] = []  # the prefix-cache key of each full block it knows
         p = req.params
         self.stream = TextStream(tokenizer, p.stop, skip_special_tokens=p.skip_special_tokens,
                                  include_stop=p.include_stop_str_in_output)  # fmt: skip
@@ -89,6 +95,15 @@ class Sequence:
         if req.params.prompt_logprobs >= 0:
             self.result.prompt_logprobs = [None] * len(req.prompt_ids)
             self.result.prompt_top_logprobs = [None] * len(req.prompt_ids)
+
+    def tokens(self) -> list[int]:
+        """What its cache has to hold before it can go on: prompt and generated tokens."""
+        return self.req.prompt_ids + self.result.token_ids
+
+    @property
+    def in_flight(self) -> bool:
+        """A token has been planned whose result has not come back yet."""
+        return self.scheduled > len(self.result.token_ids)
 
     @property
     def decodable(self) -> bool:
@@ -107,3 +122,11 @@ class InFlight:
     # (sequence, first prompt position, lp (r,), top ids (r, k) | None, top lps (r, k) | None)
     prompt: list[tuple[Sequence, int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
     ends: list[Sequence]  # requests whose last planned work is in this step (max_new_tokens 0)
+
+
+def notify(req: Request, ev: Event) -> None:
+    """A request's last event: a sink that fails here has nobody left to tell but the log."""
+    try:
+        req.sink(ev)
+    except Exception:  # the request is over either way; the engine must go on
+        log.exception("request %d: its sink failed on its %s event", req.id, ev.kind)

@@ -65,22 +65,24 @@ class Step:
     decode_slots: tuple[int, ...] = ()
     decode_pos: tuple[int, ...] = ()
     prefills: tuple[Prefill, ...] = ()
+    table: tuple[int, ...] = ()  # (row, index, block) triples for the block tables first
 
 
 def encode_step(step: Step) -> list[int]:
-    """A step as integers: [kind, n_decode, n_prefill, n_tokens, decode slots, decode
-    positions, per prefill (slot, start, length, sample, logprobs, next_token), tokens]."""
+    """A step as integers: [kind, n_decode, n_prefill, n_tokens, n_table, decode slots, decode
+    positions, per prefill (slot, start, length, sample, logprobs, next_token), tokens, table
+    triples]."""
     tokens = [t for p in step.prefills for t in p.tokens]
     fields = [f for p in step.prefills for f in (p.slot, p.start, len(p.tokens), int(p.sample),
                                                  p.logprobs, p.next_token)]  # fmt: skip
-    return [step.kind, len(step.decode_slots), len(step.prefills), len(tokens),
-            *step.decode_slots, *step.decode_pos, *fields, *tokens]  # fmt: skip
+    return [step.kind, len(step.decode_slots), len(step.prefills), len(tokens), len(step.table),
+            *step.decode_slots, *step.decode_pos, *fields, *tokens, *step.table]  # fmt: skip
 
 
 def decode_step_message(data: list[int]) -> Step:
     """`encode_step`'s inverse (trailing integers are ignored)."""
-    kind, n_dec, n_pf, n_tok = data[:4]
-    body = data[4:]
+    kind, n_dec, n_pf, n_tok, n_tab = data[:5]
+    body = data[5:]
     slots, pos, body = body[:n_dec], body[n_dec : 2 * n_dec], body[2 * n_dec :]
     fields, tokens = body[: 6 * n_pf], body[6 * n_pf : 6 * n_pf + n_tok]
     prefills, at = [], 0
@@ -89,17 +91,21 @@ def decode_step_message(data: list[int]) -> Step:
         prefills.append(Prefill(slot, start, tuple(tokens[at : at + length]), bool(sample),
                                 logprobs, next_token))  # fmt: skip
         at += length
-    return Step(kind, tuple(slots), tuple(pos), tuple(prefills))
+    table = body[6 * n_pf + n_tok : 6 * n_pf + n_tok + n_tab]
+    return Step(kind, tuple(slots), tuple(pos), tuple(prefills), tuple(table))
 
 
 class StepChannel:
     """Steps from rank 0 to the other ranks, as `encode_step`'s integers in one fixed-size int64
     tensor (gloo, CPU): one broadcast a step."""
 
-    def __init__(self, ctx: DistContext, *, slots: int, max_prefill_tokens: int):
+    def __init__(self, ctx: DistContext, *, slots: int, max_prefill_tokens: int,
+                 max_updates: int):  # fmt: skip
         self.ctx = ctx
-        # Decode rows and prefills are at most one per slot; tokens at most max_prefill_tokens.
-        self.buf = torch.zeros(4 + 8 * slots + max_prefill_tokens, dtype=torch.long)
+        # Decode rows and prefills are at most one per slot; tokens at most max_prefill_tokens;
+        # table entries at most max_updates (blocks.BlockManager).
+        self.buf = torch.zeros(5 + 8 * slots + max_prefill_tokens + 3 * max_updates,
+                               dtype=torch.long)  # fmt: skip
 
     def send(self, step: Step) -> None:
         if self.ctx.world_size == 1:
@@ -213,20 +219,24 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, ctx: DistContext, *, slots: int, max_seq: int,
-                 max_prefill_tokens: int = 512, cuda_graphs: bool = True):  # fmt: skip
+                 max_prefill_tokens: int = 512, cuda_graphs: bool = True, block_size: int = 16,
+                 num_blocks: int | None = None, kv_int8: bool = False):  # fmt: skip
+        """`slots` cache rows (sequences at once) over `num_blocks` blocks of `block_size`
+        tokens (default: every row can reach max_seq at once, the static layout's memory);
+        `kv_int8`: keys and values in int8 with a scale per token and head."""
         self.loaded, self.ctx = loaded, ctx
         self.model, self.device = loaded.model, loaded.device
         self.slots, self.max_seq = slots, max_seq
         self.max_prefill_tokens = max_prefill_tokens
-        self.channel = StepChannel(ctx, slots=slots, max_prefill_tokens=max_prefill_tokens)
-        self.cache = KVCache.allocate(
-            loaded.shape,
-            loaded.tp.tp_size,
-            slots=slots,
-            max_seq=max_seq,
-            dtype=loaded.dtype,
-            device=self.device,
-        )
+        self.block_size = min(block_size, max_seq)
+        self.blocks_per_row = -(-max_seq // self.block_size)
+        self.num_blocks = num_blocks or slots * self.blocks_per_row
+        self.channel = StepChannel(ctx, slots=slots, max_prefill_tokens=max_prefill_tokens,
+                                   max_updates=self.blocks_per_row + slots)  # fmt: skip
+        self.cache = KVCache.allocate(loaded.shape, loaded.tp.tp_size, slots=slots,
+                                      max_seq=max_seq, dtype=loaded.dtype, device=self.device,
+                                      block_size=self.block_size, num_blocks=self.num_blocks,
+                                      quantized=kv_int8)  # fmt: skip
         # Each slot's next decode input: the token its request sampled last.
         self.next_tokens = torch.zeros(slots, dtype=torch.long, device=self.device)
         methods = [getattr(m, "method", None) for m in self.model.modules()]
@@ -312,6 +322,8 @@ class ModelRunner:
         targets)` is called (rank 0) per run of positions of prefill i: the run's first
         position in the chunk, logits (r, V) and the token each position predicts (-1 past the
         prompt)."""
+        if step.table:
+            self.cache.apply_updates(step.table)
         lay = Layout.of(step)
         if not lay.ids:
             return None

@@ -30,7 +30,7 @@ from .config import RunConfig
 from .dist import DistContext, init_distributed, raise_everywhere, teardown
 from .engine import Engine
 from .loader import load_model
-from .memory import kv_slots
+from .memory import kv_cache_size
 from .runner import ModelRunner, run_worker
 from .sampling import SamplingParams
 
@@ -104,16 +104,14 @@ def prepare(cfg: RunConfig, ctx: DistContext, *, slots: int | None = None,
             error = str(e)
     raise_everywhere(error, ctx)  # before any weight moves
     loaded = load_model(cfg, ctx)
-    slots = slots or kv_slots(loaded, cfg, ctx)
     s = cfg.server
-    return ModelRunner(
-        loaded,
-        ctx,
-        slots=slots,
-        max_seq=max_seq or s.max_seq_len,
-        max_prefill_tokens=s.max_prefill_tokens,
-        cuda_graphs=s.cuda_graphs,
-    )
+    if max_seq:
+        cfg = dataclasses.replace(cfg, server=dataclasses.replace(s, max_seq_len=max_seq))
+    slots, blocks = kv_cache_size(loaded, cfg, ctx, rows=slots)
+    return ModelRunner(loaded, ctx, slots=slots, max_seq=cfg.server.max_seq_len,
+                       max_prefill_tokens=s.max_prefill_tokens, cuda_graphs=s.cuda_graphs,
+                       block_size=s.kv_block_size, num_blocks=blocks,
+                       kv_int8=s.kv_cache_dtype == "int8")  # fmt: skip
 
 
 def start(
@@ -131,7 +129,8 @@ def start(
     if ctx.is_rank0:
         engine = Engine(runner, ctx, load_tokenizer(runner.loaded.model_dir),
                         max_queue=s.max_queue, max_prefill_tokens=s.max_prefill_tokens,
-                        prefill_hold_steps=s.prefill_hold_steps)  # fmt: skip
+                        prefill_hold_steps=s.prefill_hold_steps,
+                        prefix_caching=s.prefix_caching)  # fmt: skip
         engine.warm_up()
         return engine
     run_worker(runner)

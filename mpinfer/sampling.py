@@ -280,14 +280,18 @@ class Sampler:
         self.counts = torch.zeros((slots, vocab_size), dtype=torch.int32, device=device)
         self.width = 3 + 2 * MAX_TOP_N
 
-    def admit(self, slot: int, prompt_ids: list[int], params: SamplingParams) -> None:
-        """A request takes `slot`: its history starts from its prompt (queued on the device
-        after every earlier step, so a step still in flight for the slot's last request
-        cannot disturb it)."""
+    def admit(self, slot: int, prompt_ids: list[int], params: SamplingParams, *,
+              generated: list[int] = ()) -> None:  # fmt: skip
+        """A request takes `slot`: its history starts from its prompt and what it generated
+        before (a preempted request), queued on the device after every earlier step, so a step
+        still in flight for the slot's last request cannot disturb it."""
         if params.uses_history:
             self.seen[slot].zero_()
             self.seen[slot, to_device(prompt_ids, self.device)] = True
             self.counts[slot].zero_()
+            if generated:
+                ids = to_device(list(generated), self.device)
+                self.counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
     def sample(self, logits: torch.Tensor, rows: list[Row]):
         """(slots (n,), tokens (n,) long, packed (n, 3 + 2 * MAX_TOP_N) float32), all on the

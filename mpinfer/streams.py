@@ -51,6 +51,19 @@ class EngineMetrics:
              e.failed_requests if e else 0),
             ("mpinfer_cancelled_requests", CounterMetricFamily,
              "requests whose client went away", st.cancelled),
+            ("mpinfer_kv_blocks_used", GaugeMetricFamily, "KV-cache blocks held by sequences",
+             e.blocks.pool.used if e else 0),
+            ("mpinfer_kv_blocks_free", GaugeMetricFamily,
+             "KV-cache blocks free (cached prefixes nobody holds included)",
+             e.blocks.pool.available if e else 0),
+            ("mpinfer_prefix_cache_queried_tokens", CounterMetricFamily,
+             "prompt tokens looked up in the prefix cache", e.blocks.prompt_tokens if e else 0),
+            ("mpinfer_prefix_cache_hit_tokens", CounterMetricFamily,
+             "prompt tokens found in the prefix cache (not computed)",
+             e.blocks.cached_tokens if e else 0),
+            ("mpinfer_preemptions", CounterMetricFamily,
+             "sequences sent out of the KV cache to be recomputed later",
+             e.blocks.preemptions if e else 0),
         ):  # fmt: skip
             yield kind(name, doc, value=value)
         requests = CounterMetricFamily("mpinfer_requests", "answered requests by route template "
@@ -136,6 +149,8 @@ class State:
             "dtype": str(loaded.dtype).removeprefix("torch."),
             "max_batch_slots": engine.runner.slots, "cuda_graphs": engine.runner.use_graphs,
             "max_seq_len": s.max_seq_len, "max_queue": s.max_queue,
+            "kv_block_size": engine.runner.block_size, "kv_cache_blocks": engine.runner.num_blocks,
+            "prefix_caching": s.prefix_caching,
             "max_new_tokens_default": g.max_new_tokens,
             "generation_defaults": dataclasses.asdict(g), "chat_template": chat.origin,
         }  # fmt: skip

@@ -250,6 +250,28 @@ def scenarios(runner, ctx, tok):
 N_SCENARIOS = 8 + 1 + 1 + 3 + 1 + 1 + 1 + 1 + 2 + 1 + 1 + 2
 
 
+def preemption(runner, small, ctx, tok, out):
+    """The eight prompts with longer budgets (and every third one sampled with penalties) on a
+    pool of 12 blocks of 8 tokens for 4 rows: decodes run out of blocks, the newest sequences
+    are preempted and recomputed; every rank applies the same block tables."""
+    enc = [tok.encode(p, add_special_tokens=False).ids for p in PROMPTS]
+    params = [SamplingParams(max_new_tokens=b + 20, ignore_eos=True, do_sample=i % 3 == 2,
+                             temperature=0.8, repetition_penalty=1.2 if i % 3 == 2 else 1.0,
+                             seed=i) for i, b in enumerate(BUDGETS)]  # fmt: skip
+    ref = Engine(runner, ctx, tok)  # the same requests on the full pool: no preemption
+    ref_boxes = [collect(ref, ids, p)[1] for ids, p in zip(enc, params)]
+    ref.run(until_idle=True)
+    engine = Engine(small, ctx, tok)
+    boxes = [collect(engine, ids, p)[1] for ids, p in zip(enc, params)]
+    engine.run(until_idle=True)
+    out["preempted"] = {"results": [as_dict(b["result"]) for b in boxes],
+                        "reference": [as_dict(b["result"]) for b in ref_boxes],
+                        "reference_preemptions": ref.blocks.preemptions,
+                        "preemptions": engine.blocks.preemptions,
+                        "available": engine.blocks.pool.available, "blocks": small.num_blocks,
+                        "params": [dataclasses.asdict(p) for p in params]}  # fmt: skip
+
+
 def main(model_dir, out_path, fault=False):
     cfg = load_config(None, [f'model.path="{model_dir}"', 'quant.method="none"',
                              "parallel.timeout_s=30"])  # fmt: skip
@@ -257,6 +279,7 @@ def main(model_dir, out_path, fault=False):
     try:
         loaded = load_model(cfg, ctx)
         runner = ModelRunner(loaded, ctx, slots=SLOTS, max_seq=MAX_SEQ)
+        small = ModelRunner(loaded, ctx, slots=SLOTS, max_seq=MAX_SEQ, block_size=8, num_blocks=12)
         if fault and ctx.rank == 1:
             calls = {"n": 0}
             forward = loaded.model.forward_flat
@@ -269,12 +292,17 @@ def main(model_dir, out_path, fault=False):
 
             loaded.model.forward_flat = faulty
         if ctx.is_rank0:
-            out = scenarios(runner, ctx, load_tokenizer(model_dir))
+            tok = load_tokenizer(model_dir)
+            out = scenarios(runner, ctx, tok)
+            if not fault:
+                preemption(runner, small, ctx, tok, out)
             with open(out_path, "w") as f:
                 json.dump(out, f)
         else:
-            for _ in range(N_SCENARIOS):
+            for _ in range(N_SCENARIOS + (0 if fault else 1)):
                 run_worker(runner)
+            if not fault:
+                run_worker(small)
     finally:
         teardown()
 

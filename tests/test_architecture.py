@@ -26,6 +26,8 @@ GROUPS = {
         "mpinfer.sampling",
         "mpinfer.request",
         "mpinfer.runner",
+        "mpinfer.blocks",
+        "mpinfer.scheduler",
         "mpinfer.engine",
     },
     "runtime": {"mpinfer.runtime", "mpinfer.launcher"},

@@ -74,6 +74,23 @@ def test_cancel_frees_the_slot_and_full_queue_rejects(eng):
     assert "exceeds max_seq_len=96" in eng["too_long"]
 
 
+def test_preempted_sequences_finish_identical_at_tp2(eng):
+    """A pool too small for the batch (12 blocks of 8 tokens, 4 rows): sequences are preempted
+    and recomputed on both ranks; every answer equals the same request on the full pool, greedy
+    and seeded-sampled with penalties alike, and every block comes back."""
+    p = eng["preempted"]
+    assert p["preemptions"] >= 2 and p["reference_preemptions"] == 0
+    for got, ref, params in zip(p["results"], p["reference"], p["params"], strict=True):
+        assert got["token_ids"] == ref["token_ids"] and got["text"] == ref["text"]
+        assert len(got["token_ids"]) == params["max_new_tokens"]
+    assert any(params["do_sample"] for params in p["params"])
+    assert p["available"] == p["blocks"]
+    # The greedy ones also equal the first test's requests alone (their shorter budgets).
+    for got, alone, params in zip(p["results"], eng["alone"], p["params"]):
+        if not params["do_sample"]:
+            assert got["token_ids"][: len(alone["token_ids"])] == alone["token_ids"]
+
+
 def test_long_prompt_is_prefilled_in_chunks_without_stalling_decodes(eng):
     c = eng["chunked"]
     assert c["long"]["token_ids"] == c["long_alone"]["token_ids"]
@@ -277,6 +294,7 @@ def test_prefill_hold_lets_a_short_prompt_wait_a_few_steps_while_rows_decode():
     """server.prefill_hold_steps: a prompt that fills little of the budget waits up to that many
     steps while rows decode, then runs; a prompt that fills the budget, or any prompt when
     nothing decodes, runs at once; 0 (the default) never waits."""
+    from mpinfer.blocks import BlockManager
     from mpinfer.engine import Engine
     from mpinfer.request import Request, Sequence
     from mpinfer.sampling import SamplingParams
@@ -284,6 +302,7 @@ def test_prefill_hold_lets_a_short_prompt_wait_a_few_steps_while_rows_decode():
     def engine(hold: int, budget: int = 64) -> Engine:
         e = Engine.__new__(Engine)  # _plan reads only these
         e.running, e.max_prefill_tokens, e.prefill_hold_steps, e.held = {}, budget, hold, 0
+        e.blocks = BlockManager(1000, 16, rows=4, blocks_per_row=16)
         return e
 
     def seq(slot: int, prompt: int, decoding: bool) -> Sequence:

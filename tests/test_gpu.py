@@ -307,13 +307,15 @@ def test_layer_norm_kernel_matches_torch(hidden):
                                rtol=1e-2, atol=1e-2)  # fmt: skip
 
 
+@pytest.mark.parametrize("kv", ["model", "int8"])
 @pytest.mark.parametrize("block_size", [None, 16])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_flat_step_kernels_match_the_reference_attention(dtype, block_size):
+def test_flat_step_kernels_match_the_reference_attention(dtype, block_size, kv):
     """The three launches of a mixed step (store_kv, decode rows, prompt-chunk tiles) against
     the pure-torch reference on the same cache: decode rows with long histories, chunks that
     start mid-row and span several tiles, a chunk of one token; rows on shuffled blocks of 16
-    and on one block each; padding tokens (row -1) write nothing."""
+    and on one block each; padding tokens (row -1) write nothing; the cache in the model's
+    dtype and in int8 with a scale per token and head."""
     from mpinfer.attention import FlatBatch, KVCache, attend_kernels, attend_reference
     from mpinfer.model import BloomShape, alibi_slopes
     from mpinfer.runner import Layout, Prefill, Step, StepInputs
@@ -321,16 +323,26 @@ def test_flat_step_kernels_match_the_reference_attention(dtype, block_size):
     shape = BloomShape(vocab_size=100, hidden_size=512, n_layer=1, n_head=4)  # head_dim 128
     heads, hd = 4, 128
     g = torch.Generator(device="cuda").manual_seed(11)
+    q8 = kv == "int8"
     # The reference runs in fp32 on an fp32 copy of the cache (SDPA in bf16 rounds its own
     # softmax: 0.15 off on a 300-key row), so the bound below is the kernel's own rounding.
     caches = [KVCache.allocate(shape, 1, slots=6, max_seq=320, dtype=dt, device="cuda",
-                               block_size=block_size) for dt in (dtype, torch.float32)]  # fmt: skip
+                               block_size=block_size, quantized=q8)
+              for dt in (dtype, torch.float32)]  # fmt: skip
     if block_size:
         perm = torch.randperm(caches[0].tables.numel(), device="cuda", generator=g)
         for c in caches:
             c.tables = perm.view_as(c.tables)
     for a, b in zip(caches[1].k + caches[1].v, caches[0].k + caches[0].v):
-        a.copy_(b.normal_(generator=g))
+        if q8:
+            b.copy_(torch.randint(-127, 128, b.shape, device="cuda", generator=g))
+        else:
+            b.normal_(generator=g)
+        a.copy_(b)
+    if q8:  # scales of keys and values with magnitudes around 1
+        for a, b in zip(caches[1].k_scale + caches[1].v_scale,
+                        caches[0].k_scale + caches[0].v_scale):  # fmt: skip
+            a.copy_(b.uniform_(0.5 / 127, 2 / 127, generator=g))
     step = Step(decode_slots=(4, 1, 5), decode_pos=(300, 7, 64),
                 prefills=(Prefill(0, 0, tuple(range(150))), Prefill(2, 100, tuple(range(70))),
                           Prefill(3, 33, (9,))))  # fmt: skip
@@ -342,18 +354,28 @@ def test_flat_step_kernels_match_the_reference_attention(dtype, block_size):
     qkv = torch.randn(512, heads * 3 * hd, device="cuda", dtype=dtype, generator=g)
     slopes = alibi_slopes(heads).cuda()
     batch = FlatBatch(seq, pos, dec_seq, dec_pos, tiles)
-    out_k = attend_kernels(qkv, caches[0].k[0], caches[0].v[0], caches[0].tables, batch, slopes,
-                           heads, hd)  # fmt: skip
+    out_k = attend_kernels(qkv, caches[0].layer(0), caches[0].tables, batch, slopes, heads, hd)
     ref_batch = FlatBatch(seq[:n], pos[:n], dec_seq[:3], dec_pos[:3], tiles, lay.segments(step))
-    out_r = attend_reference(qkv[:n].float(), caches[1].k[0], caches[1].v[0], caches[1].tables,
-                             ref_batch, slopes, heads, hd)  # fmt: skip
+    out_r = attend_reference(qkv[:n].float(), caches[1].layer(0), caches[1].tables, ref_batch,
+                             slopes, heads, hd)  # fmt: skip
     # fp32 accumulation in the kernels; the probabilities meet V in the input dtype and the
-    # output is rounded to it (bf16: 2^-8 relative, fp16: 2^-11; values are O(1)).
+    # output is rounded to it (bf16: 2^-8 relative, fp16: 2^-11; values are O(1)). int8: the
+    # same dequantized values on both sides, but a value at a rounding tie may land one step
+    # (1/127 of its row's largest) apart.
     tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    tol = max(tol, 3e-3) if q8 else tol
     torch.testing.assert_close(out_k[:n].float(), out_r, rtol=tol, atol=tol)
     # The same cache afterwards: every written key and value equal, nothing else touched.
     for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
-        assert torch.equal(a, b.to(dtype))
+        if q8:
+            diff = (a.int() - b.int()).abs()
+            assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
+        else:
+            assert torch.equal(a, b.to(dtype))
+    if q8:
+        for a, b in zip(caches[0].k_scale + caches[0].v_scale,
+                        caches[1].k_scale + caches[1].v_scale):  # fmt: skip
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0)  # the same inputs, fp32 math
 
 
 def test_chunked_prompts_equal_unchunked_through_the_engine():

@@ -50,23 +50,43 @@ def test_plan_command_prints_gib_lines_and_fails_when_too_small(capsys):
     code = mpinfer_main(["plan", "--config", str(ROOT / "configs/bloom-176b-8x24gb.toml"),
                          "--tp", "4"])  # fmt: skip
     out = capsys.readouterr().out
-    # 42.44 GiB of weights and workspace + one 2048-token slot of 0.957 MiB a token.
-    assert code == 1 and "does not fit: needs 44.36 GiB per GPU, has 24.00; try tp=8" in out
+    # 42.48 GiB of weights and workspace + one 2048-token sequence of 0.957 MiB a token.
+    assert code == 1 and "does not fit: needs 44.40 GiB per GPU, has 24.00; try tp=8" in out
     code = mpinfer_main(["plan", "--config", str(ROOT / "configs/bloom-7b1.toml"),
                          "--gpu-mem", "12GiB", "--quant", "none"])  # fmt: skip
     assert code == 1 and "try tp=2" in capsys.readouterr().out
 
 
-def test_workspace_counts_the_sampler_and_the_decode_graphs():
+def test_workspace_counts_the_sampler_and_the_step_graphs():
     cfg = load_config(str(ROOT / "configs/bloom-7b1.toml"), ["server.max_batch_slots=48"])
     plan = plan_memory(shape_of("bloom-7b1"), cfg, tp_size=1, budget=80 * 2**30)
     v, h = 250880, 4096
     assert plan.items["sampler state"] == 48 * v * 5  # a bool and an int32 per slot and token
-    # Buckets 1, 2, 4, 8, 16, 32, 48: each graph keeps its fp16 logits; one step's activations.
-    assert plan.items["decode graphs"] == (1 + 2 + 4 + 8 + 16 + 32 + 48) * v * 2 + 48 * 16 * h * 4
+    # The shared logits (a row per slot) and hidden states (the largest bucket's tokens, slots
+    # + the prompt budget), fp16; the pool: one decode step's activations.
+    most = 48 + cfg.server.max_prefill_tokens
+    assert plan.items["step graphs"] == (48 * v + most * h) * 2 + 48 * 16 * h * 4
     off = load_config(str(ROOT / "configs/bloom-7b1.toml"), ["server.cuda_graphs=false"])
-    assert "decode graphs" not in plan_memory(shape_of("bloom-7b1"), off, tp_size=1,
-                                              budget=80 * 2**30).items  # fmt: skip
+    assert "step graphs" not in plan_memory(shape_of("bloom-7b1"), off, tp_size=1,
+                                            budget=80 * 2**30).items  # fmt: skip
+
+
+def test_the_plan_counts_sequences_in_blocks_not_in_max_seq_len_slots():
+    """BLOOM-176B on 8 x 24 GiB: the static layout's 2 slots of 2,048 tokens become 6 requests
+    of 512 + 256 in blocks of 16; bloom-7b1 int8 on a 24 GiB card: 16 slots become >= 40."""
+    cfg = load_config(str(ROOT / "configs/bloom-176b-8x24gb.toml"))
+    plan = plan_memory(shape_of("bloom-176b"), cfg, tp_size=8, budget=24 * 2**30)
+    assert plan.slots == 2 and plan.kv_blocks == plan.kv_tokens // 16
+    assert plan.sequences(768) == min(plan.kv_blocks // 48, 16) >= 6
+    assert plan.sequences(770) == plan.kv_blocks // 49  # a started block is a whole block
+    cfg = load_config(str(ROOT / "configs/bloom-7b1.toml"),
+                      ['quant.method="int8"', "server.max_batch_slots=64"])  # fmt: skip
+    plan = plan_memory(shape_of("bloom-7b1"), cfg, tp_size=1, budget=24 * 2**30)
+    assert plan.slots == 16 and plan.sequences(768) >= 40
+    static = load_config(str(ROOT / "configs/bloom-7b1.toml"),
+                         ['quant.method="int8"', "server.kv_block_size=2048"])  # fmt: skip
+    assert plan_memory(shape_of("bloom-7b1"), static, tp_size=1,
+                       budget=24 * 2**30).sequences(768) == 16  # fmt: skip
 
 
 @pytest.mark.parametrize("config", ["tiny-cpu", "bloom-560m", "bloom-7b1", "bloom-176b-8x24gb"])
@@ -77,7 +97,8 @@ def test_plan_answers_for_every_shipped_config_without_a_gpu_size(config, capsys
     out = capsys.readouterr().out
     assert code == 0, out
     if config == "bloom-176b-8x24gb":
-        assert "tp=8" in out and "slots of max_seq_len=2048          2" in out
+        assert "tp=8" in out and "sequences of max_seq_len=2048       2" in out
+        assert "sequences of 512+256               6" in out
         code = mpinfer_main(["plan", "--config", str(ROOT / f"configs/{config}.toml"),
                              "--set", 'model.memory_budget=""'])  # fmt: skip
         out = capsys.readouterr().out

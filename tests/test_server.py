@@ -297,6 +297,10 @@ def test_client_disconnect_mid_stream_frees_its_slot(server):
     assert server.metric("mpinfer_running_slots") == 0
     assert server.metric("mpinfer_cancelled_requests_total") == cancelled + 1
     assert server.metric("mpinfer_generated_tokens_total") > 0
+    # Its KV blocks are back: nothing held, every block free (cached prefixes included).
+    assert server.metric("mpinfer_kv_blocks_used") == 0
+    info = httpx.get(server.url + "/info", headers=server.headers).json()
+    assert server.metric("mpinfer_kv_blocks_free") == info["kv_cache_blocks"] > 0
 
 
 AUTH = {"authorization": "Bearer s3cret"}

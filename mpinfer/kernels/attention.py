@@ -33,6 +33,19 @@ import triton.language as tl
 
 from .tuning import CHUNK_TILE, attention_splits, sm_count
 
+
+@triton.jit
+def _quantize(x):
+    """(HEAD_DIM,) fp32 -> the int8 values (still fp32, in [-127, 127]) and their scale: the
+    row's largest magnitude / 127 (attention.quantize_kv is the reference)."""
+    s = tl.maximum(tl.max(tl.abs(x), axis=0) / 127.0, 1e-8)
+    return tl.minimum(tl.maximum(tl.floor(x / s + 0.5), -127.0), 127.0), s
+
+
+def _scale_strides(scales) -> tuple[int, int]:
+    return (scales[0].stride(0), scales[0].stride(1)) if scales is not None else (0, 0)
+
+
 # Keys per tile, warps and pipeline stages per program (the sweep's winner; stages made no
 # difference there).
 TILE_KEYS, WARPS, STAGES = 32, 2, 3
@@ -40,9 +53,10 @@ TILE_KEYS, WARPS, STAGES = 32, 2, 3
 
 @triton.jit
 def _decode_attention_kernel(
-    qkv_ptr, k_ptr, v_ptr, ws_ptr, slot_ptr, pos_ptr, vf_ptr, slope_ptr, table_ptr,
-    stride_qkv, stride_cs, stride_ch, stride_cl, stride_t, scale, n_heads, n_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    qkv_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ws_ptr, slot_ptr, pos_ptr, vf_ptr, slope_ptr,
+    table_ptr, stride_qkv, stride_cs, stride_ch, stride_cl, stride_ss, stride_sh, stride_t, scale,
+    n_heads, n_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     """Program (b, h, s): split s of the keys [vf, pos) of row b, cut into n_splits equal runs
     of whole BLOCK_L tiles at run time (the row's length is known only on the device, so a
@@ -71,12 +85,25 @@ def _decode_attention_kernel(
         write = (d * 0 + slot_in) >= 0  # (HEAD_DIM,): every lane of a live row
         blk = tl.load(table + pos // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
         new_off = blk * stride_cs + head_off + (pos % BLOCK_SIZE) * stride_cl
-        tl.store(k_ptr + new_off + d, k_new, mask=write)
-        tl.store(v_ptr + new_off + d, v_new, mask=write)
-        m_new_token = tl.sum(q * k_new.to(tl.float32)) * scale + slope * (pos - vf).to(tl.float32)
+        if QUANT:  # the new token as the cache will hold it: int8 and a scale per head
+            k_q, k_s = _quantize(k_new.to(tl.float32))
+            v_q, v_s = _quantize(v_new.to(tl.float32))
+            tl.store(k_ptr + new_off + d, k_q.to(tl.int8), mask=write)
+            tl.store(v_ptr + new_off + d, v_q.to(tl.int8), mask=write)
+            s_off = blk * stride_ss + h * stride_sh + pos % BLOCK_SIZE
+            tl.store(ks_ptr + s_off, k_s, mask=live)
+            tl.store(vs_ptr + s_off, v_s, mask=live)
+            k_val = k_q * k_s
+            v_val = v_q * v_s
+        else:
+            tl.store(k_ptr + new_off + d, k_new, mask=write)
+            tl.store(v_ptr + new_off + d, v_new, mask=write)
+            k_val = k_new.to(tl.float32)
+            v_val = v_new.to(tl.float32)
+        m_new_token = tl.sum(q * k_val) * scale + slope * (pos - vf).to(tl.float32)
         m = tl.where(live, m_new_token, -float("inf"))
         denom = tl.where(live, 1.0, 0.0)
-        acc = tl.where(live, v_new.to(tl.float32), 0.0)
+        acc = tl.where(live, v_val, 0.0)
     per_split = tl.cdiv(tl.cdiv(pos - vf, n_splits), BLOCK_L) * BLOCK_L
     lo = vf + s * per_split
     hi = tl.minimum(lo + per_split, pos)  # a padding row has pos = vf = 0: no tile at all
@@ -89,6 +116,10 @@ def _decode_attention_kernel(
         kv_off = row_off[:, None] + d[None, :]
         keys = tl.load(k_ptr + kv_off, mask=ok[:, None], other=0.0).to(tl.float32)
         vals = tl.load(v_ptr + kv_off, mask=ok[:, None], other=0.0).to(tl.float32)
+        if QUANT:
+            s_off = blk * stride_ss + h * stride_sh + j % BLOCK_SIZE
+            keys = keys * tl.load(ks_ptr + s_off, mask=ok, other=0.0)[:, None]
+            vals = vals * tl.load(vs_ptr + s_off, mask=ok, other=0.0)[:, None]
         sc = tl.sum(keys * q[None, :], axis=1) * scale + slope * (j - vf).to(tl.float32)
         sc = tl.where(ok, sc, -float("inf"))
         m_new = tl.maximum(m, tl.max(sc, axis=0))
@@ -135,13 +166,15 @@ def decode_attention(
     tables: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     n_splits: int | None = None,
     block_l: int = TILE_KEYS,
     num_warps: int = WARPS,
     num_stages: int = STAGES,
 ) -> torch.Tensor:
     """n_splits (programs per row and head) by default from the policy in
-    tuning.attention_splits; the keyword arguments are for benchmarks and tests."""
+    tuning.attention_splits; the keyword arguments are for benchmarks and tests. `scales`:
+    an int8 cache's (k_scale, v_scale), each (blocks, heads, block_size) fp32."""
     B = qkv.shape[0]
     heads, block_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     max_seq = tables.shape[1] * block_size
@@ -151,12 +184,13 @@ def decode_attention(
     ws = torch.empty((B, heads, n_splits, head_dim + 2), dtype=torch.float32, device=qkv.device)
     if out is None:
         out = torch.empty((B, heads * head_dim), dtype=qkv.dtype, device=qkv.device)
+    ks, vs = scales if scales is not None else (k_cache, v_cache)  # (unread without QUANT)
     _decode_attention_kernel[(B, heads, n_splits)](
-        qkv, k_cache, v_cache, ws, slot_ids, positions, valid_from, slopes, tables,
-        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
-        head_dim**-0.5, heads, n_splits,
-        HEAD_DIM=head_dim, BLOCK_L=block_l, BLOCK_SIZE=block_size, num_warps=num_warps,
-        num_stages=num_stages,
+        qkv, k_cache, v_cache, ks, vs, ws, slot_ids, positions, valid_from, slopes, tables,
+        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        *_scale_strides(scales), tables.stride(0), head_dim**-0.5, heads, n_splits,
+        HEAD_DIM=head_dim, BLOCK_L=block_l, BLOCK_SIZE=block_size, QUANT=scales is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _combine_kernel[(B, heads)](
         ws, out, out.stride(0), heads, n_splits,
@@ -171,9 +205,10 @@ CHUNK_M, CHUNK_N, CHUNK_WARPS, CHUNK_STAGES = CHUNK_TILE, 64, 4, 2
 
 
 @triton.jit
-def _store_kv_kernel(qkv_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, table_ptr,
-                     stride_qkv, stride_cs, stride_ch, stride_cl, stride_t,
-                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):  # fmt: skip
+def _store_kv_kernel(qkv_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, seq_ptr, pos_ptr, table_ptr,
+                     stride_qkv, stride_cs, stride_ch, stride_cl, stride_ss, stride_sh, stride_t,
+                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     QUANT: tl.constexpr):  # fmt: skip
     """Program (t, h): token t's key and value of head h into its row's block (row -1: none)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -185,16 +220,28 @@ def _store_kv_kernel(qkv_ptr, k_ptr, v_ptr, seq_ptr, pos_ptr, table_ptr,
     d = tl.arange(0, HEAD_DIM)
     src = qkv_ptr + t.to(tl.int64) * stride_qkv + h * 3 * HEAD_DIM
     dst = blk * stride_cs + h * stride_ch + (pos % BLOCK_SIZE) * stride_cl + d
-    tl.store(k_ptr + dst, tl.load(src + HEAD_DIM + d))
-    tl.store(v_ptr + dst, tl.load(src + 2 * HEAD_DIM + d))
+    k = tl.load(src + HEAD_DIM + d)
+    v = tl.load(src + 2 * HEAD_DIM + d)
+    if QUANT:
+        k_q, k_s = _quantize(k.to(tl.float32))
+        v_q, v_s = _quantize(v.to(tl.float32))
+        tl.store(k_ptr + dst, k_q.to(tl.int8))
+        tl.store(v_ptr + dst, v_q.to(tl.int8))
+        s_off = blk * stride_ss + h * stride_sh + pos % BLOCK_SIZE
+        tl.store(ks_ptr + s_off, k_s)
+        tl.store(vs_ptr + s_off, v_s)
+    else:
+        tl.store(k_ptr + dst, k)
+        tl.store(v_ptr + dst, v)
 
 
 @triton.jit
 def _chunk_attention_kernel(
-    qkv_ptr, k_ptr, v_ptr, out_ptr, tile_ptr, slope_ptr, table_ptr, stride_tile,
-    stride_qkv, stride_out, stride_cs, stride_ch, stride_cl, stride_t, scale,
+    qkv_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, tile_ptr, slope_ptr, table_ptr, stride_tile,
+    stride_qkv, stride_out, stride_cs, stride_ch, stride_cl, stride_ss, stride_sh, stride_t,
+    scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     """Program (i, h): tile i = (cache row, first token, count, first position) of the tile
     table (4, n_tiles), rows stride_tile apart; queries attend causally to keys [0, their
@@ -227,6 +274,10 @@ def _chunk_attention_kernel(
         row_off = blk * stride_cs + h * stride_ch + (j % BLOCK_SIZE) * stride_cl
         kv_off = row_off[:, None] + d[None, :]
         keys = tl.load(k_ptr + kv_off, mask=k_ok[:, None], other=0.0)  # (BLOCK_N, HEAD_DIM)
+        if QUANT:  # int8 and a scale per key: dequantized to the queries' dtype
+            s_off = blk * stride_ss + h * stride_sh + j % BLOCK_SIZE
+            k_s = tl.load(ks_ptr + s_off, mask=k_ok, other=0.0)
+            keys = (keys.to(tl.float32) * k_s[:, None]).to(q.dtype)
         if IEEE:
             sc = tl.dot(q, tl.trans(keys), input_precision="ieee")
         else:
@@ -237,6 +288,9 @@ def _chunk_attention_kernel(
         alpha = tl.exp(m - m_new)
         p = tl.exp(sc - m_new[:, None])
         vals = tl.load(v_ptr + kv_off, mask=k_ok[:, None], other=0.0)
+        if QUANT:
+            v_s = tl.load(vs_ptr + s_off, mask=k_ok, other=0.0)
+            vals = (vals.to(tl.float32) * v_s[:, None]).to(q.dtype)
         if IEEE:
             pv = tl.dot(p.to(vals.dtype), vals, input_precision="ieee")
         else:
@@ -250,19 +304,22 @@ def _chunk_attention_kernel(
 
 
 def store_kv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: torch.Tensor,
-             positions: torch.Tensor, tables: torch.Tensor) -> None:  # fmt: skip
-    """Every token's key and value (qkv row t: cache row seq[t], position positions[t])."""
+             positions: torch.Tensor, tables: torch.Tensor, scales=None) -> None:  # fmt: skip
+    """Every token's key and value (qkv row t: cache row seq[t], position positions[t]);
+    with `scales` (an int8 cache's), quantized with a scale per token and head."""
     heads, block_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    ks, vs = scales if scales is not None else (k_cache, v_cache)
     _store_kv_kernel[(qkv.shape[0], heads)](
-        qkv, k_cache, v_cache, seq, positions, tables,
-        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, num_warps=1,
+        qkv, k_cache, v_cache, ks, vs, seq, positions, tables,
+        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        *_scale_strides(scales), tables.stride(0),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, QUANT=scales is not None, num_warps=1,
     )  # fmt: skip
 
 
 def chunk_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     tiles: torch.Tensor, slopes: torch.Tensor, tables: torch.Tensor,
-                    out: torch.Tensor) -> None:  # fmt: skip
+                    out: torch.Tensor, scales=None) -> None:  # fmt: skip
     """The prompt-chunk tiles' attention into their rows of `out` (N, heads * head_dim);
     `tiles` (4, n_tiles) int64: cache row, first token, count, first position of each tile."""
     heads, block_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
@@ -270,10 +327,12 @@ def chunk_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if n_tiles == 0:
         return
     assert tiles.stride(1) == 1 and k_cache.stride() == v_cache.stride()
+    ks, vs = scales if scales is not None else (k_cache, v_cache)
     _chunk_attention_kernel[(n_tiles, heads)](
-        qkv, k_cache, v_cache, out, tiles, slopes, tables, tiles.stride(0),
+        qkv, k_cache, v_cache, ks, vs, out, tiles, slopes, tables, tiles.stride(0),
         qkv.stride(0), out.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        tables.stride(0), head_dim**-0.5,
+        *_scale_strides(scales), tables.stride(0), head_dim**-0.5,
         HEAD_DIM=head_dim, BLOCK_M=CHUNK_M, BLOCK_N=CHUNK_N, BLOCK_SIZE=block_size,
-        IEEE=qkv.dtype == torch.float32, num_warps=CHUNK_WARPS, num_stages=CHUNK_STAGES,
+        IEEE=qkv.dtype == torch.float32, QUANT=scales is not None, num_warps=CHUNK_WARPS,
+        num_stages=CHUNK_STAGES,
     )  # fmt: skip

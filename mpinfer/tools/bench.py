@@ -7,6 +7,8 @@ under bench/results/, side by side with its baselines in one run.
     engine    the engine's tokens/s against concurrency, CPU (servebench.py)
     serve     the real server through HTTP: CPU (servebench.py), or `--gpu` for the served speed
               (servegpu.py)
+    kv        the KV cache's layouts (static, blocks, prefix cache, int8) served under one
+              budget (kvbench.py)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ WHAT = {
     "load": "mpinfer.tools.loadbench",
     "engine": "mpinfer.tools.servebench",
     "serve": "mpinfer.tools.servebench",
+    "kv": "mpinfer.tools.kvbench",
 }
 
 

@@ -17,11 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from ..config import load_config
 from ..extras import require
+from ..memory import plan_memory
 from ..runner import Prefill, Step
 from .memcheck import MEMORY_CASES, memory_check, memory_check_table
 from .randmodel import (
@@ -34,6 +37,8 @@ from .randmodel import (
     weight_bytes,
 )
 from .report import cuda_time, machine, md_table, measure_ceilings, save_result
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def profile_step(step, iters: int = 5) -> list[dict]:
@@ -225,7 +230,11 @@ def simulate_tp(tp_size: int, bw: float, dtype: str = "fp16") -> dict:
     free_gpu()  # the peak below: weights + a 2048-token cache + one step's activations
     runner = make_runner(model, shape, tp, slots=1, max_seq=2048, cuda_graphs=False)
     runner.execute(decode_step(1, 0))
+    peak = torch.cuda.max_memory_allocated() / 1e9
+    runner = None
+    kv = {name: kv_at_24gib(model, shape, tp, name) for name in ("auto", "int8")}
     return {
+        "kv_24GiB": kv,
         "tp_size": tp_size,
         "activations": dtype,
         "weight_GB": wbytes / 1e9,
@@ -234,7 +243,48 @@ def simulate_tp(tp_size: int, bw: float, dtype: str = "fp16") -> dict:
         "ratio_to_floor": step_ms / (wbytes / bw * 1e3),
         "collectives_per_step_skipped": dict(tp.skipped),
         **{k: v for k, v in res.items() if k.startswith("kernels")},
-        "peak_GB_with_2048_token_cache": torch.cuda.max_memory_allocated() / 1e9,
+        "peak_GB_with_2048_token_cache": peak,
+    }
+
+
+def kv_at_24gib(model, shape, tp, kv_dtype: str, request: int = 768, context: int = 640) -> dict:
+    """BLOOM-176B's rank on a 24 GiB card: as many sequences of `request` (512 + 256) tokens as
+    the planner puts in its KV blocks, each `context` tokens in, and the decode step of all of
+    them at once (a captured graph), beside the same batch on the static layout's blocks."""
+    free_gpu()
+    cfg = load_config(str(ROOT / "configs/bloom-176b-8x24gb.toml"),
+                      [f'server.kv_cache_dtype="{kv_dtype}"'])  # fmt: skip
+    plan = plan_memory(shape, cfg, tp_size=tp.tp_size, budget=24 * 2**30)
+    n, per = plan.sequences(request), -(-request // 16)
+    runner = make_runner(model, shape, tp, slots=n, max_seq=2048, block_size=16,
+                         num_blocks=plan.kv_blocks, kv_int8=kv_dtype == "int8",
+                         max_prefill_tokens=256)  # fmt: skip
+    rows = torch.arange(n * per, device="cuda").view(n, per)  # row r on its own 48 blocks
+    runner.cache.tables[:, :per] = rows
+    fill_context(runner, n, context)
+    step = decode_step(n, context)
+    step_ms = cuda_time(lambda: runner.execute(step), iters=20)
+    cache_gib = (
+        sum(
+            t.numel() * t.element_size()
+            for t in runner.cache.k
+            + runner.cache.v
+            + (runner.cache.k_scale or [])
+            + (runner.cache.v_scale or [])
+        )
+        / 2**30
+    )
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    return {
+        "kv_cache_dtype": kv_dtype,
+        "kv_tokens": plan.kv_tokens,
+        "kv_blocks": plan.kv_blocks,
+        "sequences_512_256": n,
+        "static_slots_2048": plan.slots,
+        "decode_ms": step_ms,
+        "cache_GiB": cache_gib,
+        "peak_GiB": peak,
+        "planned_GiB": (plan.fixed + plan.kv_blocks * 16 * plan.kv_bytes_per_token) / 2**30,
     }
 
 
@@ -267,6 +317,14 @@ def markdown(result: dict) -> str:
             f"b=8 {d[8]:.2f} ms, b=32 {d[32]:.2f} ms; peak GPU memory with a 2048-token cache "
             f"{s['peak_GB_with_2048_token_cache']:.2f} GB",
         ]
+        for kv in (s.get("kv_24GiB") or {}).values():
+            lines.append(
+                f"- on a 24 GiB card, KV cache {kv['kv_cache_dtype']}: {kv['kv_tokens']} tokens "
+                f"in {kv['kv_blocks']} blocks = {kv['sequences_512_256']} sequences of 512+256 "
+                f"at once (static slots of 2048: {kv['static_slots_2048']}); decode step of "
+                f"all {kv['sequences_512_256']} at 640 tokens {kv['decode_ms']:.2f} ms; peak "
+                f"GPU memory {kv['peak_GiB']:.2f} GiB (planned {kv['planned_GiB']:.2f})"
+            )
     if result.get("memory"):
         lines += ["", memory_check_table(result["memory"])]
     return "\n".join(lines)

@@ -84,20 +84,15 @@ def free_gpu() -> None:
 
 
 def make_runner(model, shape, tp, *, slots: int, max_seq: int, cuda_graphs: bool = True,
-                ctx: DistContext | None = None,
-                max_prefill_tokens: int = 512) -> ModelRunner:  # fmt: skip
-    """The engine's runner around a built model (a world of one unless `ctx` says otherwise)."""
+                ctx: DistContext | None = None, max_prefill_tokens: int = 512,
+                **cache) -> ModelRunner:  # fmt: skip
+    """The engine's runner around a built model (a world of one unless `ctx` says otherwise);
+    `cache`: ModelRunner's block_size, num_blocks, kv_int8."""
     device = next(model.parameters()).device
     ctx = ctx or DistContext(0, 1, 0, device, None, None)
     loaded = LoadedModel(model, shape, tp, model.dtype, device, "")
-    return ModelRunner(
-        loaded,
-        ctx,
-        slots=slots,
-        max_seq=max_seq,
-        cuda_graphs=cuda_graphs,
-        max_prefill_tokens=max_prefill_tokens,
-    )
+    return ModelRunner(loaded, ctx, slots=slots, max_seq=max_seq, cuda_graphs=cuda_graphs,
+                       max_prefill_tokens=max_prefill_tokens, **cache)  # fmt: skip
 
 
 def fill_context(runner: ModelRunner, slots: int, context: int, *, seed: int = 0) -> None:
