@@ -137,6 +137,7 @@ def test_soak_64_streaming_clients_with_disconnects_and_extreme_parameters(harde
     while hardened.metric("mpinfer_running_slots") and time.time() < deadline:
         time.sleep(0.2)
     assert hardened.metric("mpinfer_running_slots") == 0  # no leaked slot
+    assert hardened.metric("mpinfer_kv_blocks_used") == 0  # and no leaked KV block
     assert hardened.metric("mpinfer_queue_depth") == 0
     assert hardened.metric("mpinfer_failed_requests_total") == 0
     assert all(g < RSS_GROWTH_MIB for g in growth), growth
