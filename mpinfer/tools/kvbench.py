@@ -47,6 +47,21 @@ def metrics(url: str) -> dict:
     return out
 
 
+def process_gpu_gib(pid: int) -> float | None:
+    """GPU memory the driver counts for one process (NVML), the server's own footprint."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if p.pid == pid:
+                return p.usedGpuMemory / 2**30
+    except Exception:  # no NVML, or a container that hides other pids: not measured
+        return None
+    return None
+
+
 async def ttft(url: str, ids: list[int]) -> float:
     """Milliseconds to the first streamed token of a prompt of token ids."""
     aiohttp = require("aiohttp")
@@ -85,6 +100,7 @@ def run_kv(a) -> dict:
             s = SHAPES[shape]
             make_tiny(ckpt, layers=s.n_layer, hidden=s.hidden_size, heads=s.n_head,
                       vocab=s.vocab_size, shards=8, dtype="float16", device="cuda")  # fmt: skip
+            torch.cuda.empty_cache()  # what this process keeps is not the server's
     base = ('quant.method="int8"', "server.max_batch_slots=64", "server.max_seq_len=2048",
             "server.max_queue=1024")  # fmt: skip
     if gpu:
@@ -105,6 +121,7 @@ def run_kv(a) -> dict:
                 row["prefix"] = prefix_case(server.url, 1000 if shape == "tiny" else 250000)
             before = metrics(server.url)
             row["load"] = asyncio.run(loadgen.closed_loop(server.url, a.clients, a.seconds))
+            row["server_gpu_gib"] = process_gpu_gib(server.rank0_pid()) if gpu else None
             after = metrics(server.url)
             row["preemptions"] = after["mpinfer_preemptions_total"] - before.get(
                 "mpinfer_preemptions_total", 0
@@ -122,13 +139,14 @@ def run_kv(a) -> dict:
 
 def kv_table(r: dict) -> str:
     header = ["layout", "KV blocks x tokens", "sequences", "output tok/s", "TTFT p50 ms",
-              "ITL p50 ms", "ITL p99 ms", "preemptions", "errors"]  # fmt: skip
+              "ITL p50 ms", "ITL p99 ms", "preemptions", "server GPU GiB", "errors"]  # fmt: skip
     rows = []
     for name, row in r["layouts"].items():
         p = row["load"]
         rows.append([name, f"{row['kv_blocks']} x {row['block_size']}", row["rows"],
                      f"{p['tok_per_s']:.0f}", f"{p['ttft_ms_p50']:.0f}", f"{p['itl_ms_p50']:.1f}",
                      f"{p['itl_ms_p99']:.1f}", f"{row['preemptions']:.0f}",
+                     "-" if row.get("server_gpu_gib") is None else f"{row['server_gpu_gib']:.1f}",
                      p["errors"]])  # fmt: skip
     lines = [f"{r['machine'].get('gpu', 'cpu')}: {r['shape']} int8, budget {r['budget']}, "
              f"{r['clients']} closed-loop clients for {r['seconds']} s each", "",
