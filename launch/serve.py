@@ -8,7 +8,7 @@ server.host says otherwise. SIGTERM/SIGINT drain in-flight requests, then all ra
 
 import sys
 
-from mpinfer.serve import serve_main
+from mpinfer.server.serve import serve_main
 
 if __name__ == "__main__":
     sys.exit(serve_main())

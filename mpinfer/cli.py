@@ -20,12 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-from .checkpoint import read_config
+from .checkpoint.hf import read_config
+from .checkpoint.hostmem import HostMemoryMonitor, return_large_frees_to_os
+from .checkpoint.sharded import shard_checkpoint, verify_dir
 from .config import add_config_args, config_from_args, load_config, parse_bytes
 from .dist import broadcast_object
-from .hostmem import HostMemoryMonitor, return_large_frees_to_os
-from .launcher import Topology, add_launch_args, launch
-from .memory import (
+from .model.bloom import BloomShape
+from .model.memory import (
     COMMON_GPUS,
     GIB,
     plan_memory,
@@ -33,13 +34,12 @@ from .memory import (
     suggest,
     tp_sizes_for,
 )
-from .model import BloomShape
-from .runtime import default_params, load_tokenizer, run_rank, start
-from .sharded import shard_checkpoint, verify_dir
+from .startup.launcher import Topology, add_launch_args, launch
+from .startup.runtime import default_params, load_tokenizer, run_rank, start
 
 # name -> ("module:function", one line for `mpinfer --help`)
 COMMANDS = {
-    "serve": ("mpinfer.serve:serve_main", "HTTP server (TGI and OpenAI routes) on rank 0"),
+    "serve": ("mpinfer.server.serve:serve_main", "HTTP server (TGI and OpenAI routes) on rank 0"),
     "repl": ("mpinfer.repl:repl_main", "interactive generation on this terminal"),
     "generate": ("mpinfer.cli:generate_main", "one-shot generation of --prompt texts"),
     "shard": ("mpinfer.cli:shard_main", "quantize and split a checkpoint once, per rank"),
@@ -79,7 +79,7 @@ def split_launch_args(argv: list[str]) -> tuple[Topology | None, list[str]]:
     return Topology(known.nproc, known.nnodes, known.node_rank, addr, port), rest
 
 
-PARSERS = {"serve": "mpinfer.serve:parser", "repl": "mpinfer.repl:parser",
+PARSERS = {"serve": "mpinfer.server.serve:parser", "repl": "mpinfer.repl:parser",
            "generate": "mpinfer.cli:generate_parser"}  # fmt: skip
 
 

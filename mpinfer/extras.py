@@ -23,10 +23,10 @@ LAZY: dict[str, tuple[str, str]] = {
     # A dependency, imported only when --model names a Hub model (it takes half a second).
     "huggingface_hub": ("", "a Hub model id as --model"),
     # The kernels themselves import Triton at the top, so they are imported on a GPU only.
-    "mpinfer.kernels.w8a16": ("", "the int8 decode matmul on a GPU"),
-    "mpinfer.kernels.dequant": ("", "the int8 prefill path on a GPU"),
-    "mpinfer.kernels.attention": ("", "the decode attention on a GPU"),
-    "mpinfer.kernels.layernorm": ("", "the decode LayerNorm on a GPU"),
+    "mpinfer.model.kernels.w8a16": ("", "the int8 decode matmul on a GPU"),
+    "mpinfer.model.kernels.dequant": ("", "the int8 prefill path on a GPU"),
+    "mpinfer.model.kernels.attention": ("", "the decode attention on a GPU"),
+    "mpinfer.model.kernels.layernorm": ("", "the decode LayerNorm on a GPU"),
 }
 
 
@@ -40,7 +40,7 @@ def require(module: str) -> ModuleType:
             f"pip install 'mpinfer[{extra}]'"
             if extra
             else "a CUDA build of torch"
-            if module.startswith(("triton", "mpinfer.kernels"))
+            if module.startswith(("triton", "mpinfer.model.kernels"))
             else f"pip install {module}"
         )
         raise ValueError(f"{why} needs {module.split('.')[0]}, which is not available ({e}): "

@@ -38,9 +38,9 @@ from pathlib import Path
 import httpx
 
 from .config import add_config_args, config_from_args, load_config
-from .launcher import add_launch_args
-from .runtime import default_params, run_rank, start
-from .sampling import SamplingParams
+from .engine.sampling import SamplingParams
+from .startup.launcher import add_launch_args
+from .startup.runtime import default_params, run_rank, start
 
 HELP = """commands:
   /set key=value   temperature, top_k, top_p, typical_p, repetition_penalty, max_new_tokens,

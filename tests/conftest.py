@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from mpinfer.dist import torchrun_command
-from mpinfer.launcher import free_port
+from mpinfer.startup.launcher import free_port
 from mpinfer.tools.serverproc import wait_ready
 from mpinfer.tools.tiny import make_tiny
 

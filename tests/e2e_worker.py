@@ -15,9 +15,9 @@ import torch
 
 from mpinfer.config import load_config
 from mpinfer.dist import init_distributed, teardown
-from mpinfer.model import KVCache
-from mpinfer.runtime import prepare, start
-from mpinfer.sampling import SamplingParams
+from mpinfer.engine.sampling import SamplingParams
+from mpinfer.model.bloom import KVCache
+from mpinfer.startup.runtime import prepare, start
 
 
 def main(spec_path: str, out_dir: str) -> None:

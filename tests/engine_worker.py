@@ -13,14 +13,14 @@ import sys
 import threading
 import time
 
+from mpinfer.checkpoint.loader import load_model
 from mpinfer.config import load_config
 from mpinfer.dist import init_distributed, teardown
-from mpinfer.engine import Engine
-from mpinfer.loader import load_model
-from mpinfer.request import QueueFull
-from mpinfer.runner import ModelRunner, run_worker
-from mpinfer.runtime import load_tokenizer
-from mpinfer.sampling import SamplingParams
+from mpinfer.engine.engine import Engine
+from mpinfer.engine.request import QueueFull
+from mpinfer.engine.runner import ModelRunner, run_worker
+from mpinfer.engine.sampling import SamplingParams
+from mpinfer.startup.runtime import load_tokenizer
 
 SLOTS, MAX_SEQ = 4, 96
 PROMPTS = [

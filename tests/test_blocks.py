@@ -11,9 +11,9 @@ import threading
 import pytest
 import torch
 
-from mpinfer.blocks import BlockManager, BlockPool, block_keys
-from mpinfer.request import Request, Sequence
-from mpinfer.sampling import SamplingParams
+from mpinfer.engine.blocks import BlockManager, BlockPool, block_keys
+from mpinfer.engine.request import Request, Sequence
+from mpinfer.engine.sampling import SamplingParams
 
 
 def make_seq(tokens, logprobs: int = -1) -> Sequence:
@@ -119,10 +119,10 @@ MAX_SEQ = 96
 
 @pytest.fixture(scope="module")
 def world(ckpts):
+    from mpinfer.checkpoint.loader import load_model
     from mpinfer.config import load_config
     from mpinfer.dist import init_distributed, teardown
-    from mpinfer.loader import load_model
-    from mpinfer.runtime import load_tokenizer
+    from mpinfer.startup.runtime import load_tokenizer
 
     cfg = load_config(None, [f'model.path="{ckpts["st_sharded"]}"', 'quant.method="none"'])
     ctx = init_distributed(timeout_s=60, device="cpu")
@@ -136,8 +136,8 @@ def run_all(
     world, jobs, *, blocks=None, block_size=8, slots=4, prefix=True, cancel=None, kv_int8=False
 ):
     """Run (prompt ids, params) jobs on one engine; the results and the engine."""
-    from mpinfer.engine import Engine
-    from mpinfer.runner import ModelRunner
+    from mpinfer.engine.engine import Engine
+    from mpinfer.engine.runner import ModelRunner
 
     loaded, ctx, tok = world
     runner = ModelRunner(loaded, ctx, slots=slots, max_seq=MAX_SEQ, block_size=block_size,
@@ -231,8 +231,8 @@ def test_cancelled_requests_return_every_block(world):
 
 
 def test_a_request_that_can_never_fit_the_pool_is_refused_with_the_limit(world):
-    from mpinfer.engine import Engine
-    from mpinfer.runner import ModelRunner
+    from mpinfer.engine.engine import Engine
+    from mpinfer.engine.runner import ModelRunner
 
     loaded, ctx, tok = world
     runner = ModelRunner(loaded, ctx, slots=2, max_seq=MAX_SEQ, block_size=8, num_blocks=6)
@@ -243,7 +243,7 @@ def test_a_request_that_can_never_fit_the_pool_is_refused_with_the_limit(world):
 
 
 def test_int8_kv_rounds_each_row_within_half_a_step():
-    from mpinfer.attention import quantize_kv
+    from mpinfer.model.attention import quantize_kv
 
     x = torch.randn(50, 4, 16, dtype=torch.float64) * torch.rand(50, 4, 1, dtype=torch.float64)
     q, scale = quantize_kv(x)

@@ -11,11 +11,11 @@ import json
 import pytest
 import torch
 
-from mpinfer.checkpoint import HFCheckpoint
-from mpinfer.model import BloomShape
-from mpinfer.quant import dequantize_rows, quantize_rows
-from mpinfer.sharded import shard_checkpoint
-from mpinfer.sharding import shard_specs
+from mpinfer.checkpoint.hf import HFCheckpoint
+from mpinfer.checkpoint.sharded import shard_checkpoint
+from mpinfer.model.bloom import BloomShape
+from mpinfer.model.quant import dequantize_rows, quantize_rows
+from mpinfer.model.sharding import shard_specs
 
 from .conftest import torchrun
 

@@ -142,7 +142,7 @@ def test_step_messages_survive_the_channel_encoding():
     buffer's stale tail from a longer earlier step ignored)."""
     import random
 
-    from mpinfer.runner import STEP, Prefill, Step, decode_step_message, encode_step
+    from mpinfer.engine.runner import STEP, Prefill, Step, decode_step_message, encode_step
 
     rng = random.Random(0)
     for _ in range(200):
@@ -162,8 +162,8 @@ def test_step_buckets_cover_every_token_count_up_to_a_full_step():
     """A step of n tokens replays the smallest captured bucket >= n, so the buckets must reach
     every n up to every slot decoding beside a full prompt budget, and never waste more than
     half a bucket (the decode buckets first: the batch-1 step stays a 1-token graph)."""
-    from mpinfer.memory import decode_buckets
-    from mpinfer.runner import step_buckets
+    from mpinfer.engine.runner import step_buckets
+    from mpinfer.model.memory import decode_buckets
 
     assert step_buckets(1, 0) == [1]
     assert step_buckets(8, 0) == [1, 2, 4, 8]
@@ -183,8 +183,8 @@ def test_step_layout_puts_decode_rows_first_and_cuts_chunks_into_tiles():
     """The flat batch of a step: decode rows, then every chunk's tokens in order; the rows that
     sample in `execute`'s order; a bucket's buffer padded with rows of -1 and empty tiles, its
     views of the sizes the kernels' fixed grids expect; tiles cover every chunk token once."""
-    from mpinfer.kernels.tuning import CHUNK_TILE
-    from mpinfer.runner import STEP, Layout, Prefill, Step, StepInputs
+    from mpinfer.engine.runner import STEP, Layout, Prefill, Step, StepInputs
+    from mpinfer.model.kernels.tuning import CHUNK_TILE
 
     rng = random.Random(5)
     for _ in range(100):
@@ -230,10 +230,10 @@ def test_one_flat_forward_equals_separate_padded_forwards():
     continuing earlier ones) gives the same logits and the same cache as each row run alone
     through the padded forward; with blocks smaller than a row (a block table that is not the
     identity) as well."""
-    from mpinfer.attention import FlatBatch, KVCache, read_kv
-    from mpinfer.layers import TPGroup
-    from mpinfer.model import BloomModel, BloomShape
-    from mpinfer.quant import DenseMethod
+    from mpinfer.model.attention import FlatBatch, KVCache, read_kv
+    from mpinfer.model.bloom import BloomModel, BloomShape
+    from mpinfer.model.layers import TPGroup
+    from mpinfer.model.quant import DenseMethod
     from mpinfer.tools.randmodel import randomize_model
 
     shape = BloomShape(vocab_size=300, hidden_size=64, n_layer=2, n_head=4)
@@ -294,10 +294,10 @@ def test_prefill_hold_lets_a_short_prompt_wait_a_few_steps_while_rows_decode():
     """server.prefill_hold_steps: a prompt that fills little of the budget waits up to that many
     steps while rows decode, then runs; a prompt that fills the budget, or any prompt when
     nothing decodes, runs at once; 0 (the default) never waits."""
-    from mpinfer.blocks import BlockManager
-    from mpinfer.engine import Engine
-    from mpinfer.request import Request, Sequence
-    from mpinfer.sampling import SamplingParams
+    from mpinfer.engine.blocks import BlockManager
+    from mpinfer.engine.engine import Engine
+    from mpinfer.engine.request import Request, Sequence
+    from mpinfer.engine.sampling import SamplingParams
 
     def engine(hold: int, budget: int = 64) -> Engine:
         e = Engine.__new__(Engine)  # _plan reads only these

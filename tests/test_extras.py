@@ -10,7 +10,7 @@ import sys
 import httpx
 import tomllib
 
-from mpinfer.launcher import free_port
+from mpinfer.startup.launcher import free_port
 from mpinfer.tools.serverproc import wait_ready
 
 from .conftest import ENV, ROOT

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpinfer.quant import int8_linear_reference, quantize_rows
+from mpinfer.model.quant import int8_linear_reference, quantize_rows
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,7 +23,7 @@ pytestmark = [
      (32, 5376, 14336), (64, 300, 128), (100, 4096, 4096), (2048, 1024, 4096)],
 )  # fmt: skip
 def test_int8_linear_matches_reference(M, N, K, dtype):
-    from mpinfer.kernels import int8_linear
+    from mpinfer.model.kernels import int8_linear
 
     g = torch.Generator(device="cuda").manual_seed(M * 7 + N)
     q, scale = quantize_rows(torch.randn(N, K, device="cuda", generator=g))
@@ -49,7 +49,7 @@ def _fused_reference(x, q, scale, bias, gelu, residual):
 def test_int8_linear_fused_epilogue_is_exact_and_repeatable(M, N, K, dtype, epilogue):
     """The autotuned kernel with the GeLU or the residual add in its epilogue, against the
     reference, and bit-identical across calls (split-K partials are summed in a fixed order)."""
-    from mpinfer.kernels import int8_linear
+    from mpinfer.model.kernels import int8_linear
 
     g = torch.Generator(device="cuda").manual_seed(M + N + K)
     q, scale = quantize_rows(torch.randn(N, K, device="cuda", generator=g))
@@ -67,7 +67,7 @@ def test_int8_linear_fused_epilogue_is_exact_and_repeatable(M, N, K, dtype, epil
 def test_one_row_tuning_is_never_reused_for_several_rows():
     """One row may tune to the one-row loop, which computes row 0 only; 2..16 rows of the same
     shape must get their own tuning, not that config (they did once: rows 1.. came out empty)."""
-    from mpinfer.kernels import int8_linear
+    from mpinfer.model.kernels import int8_linear
 
     g = torch.Generator(device="cuda").manual_seed(11)
     N, K = 4096, 4096  # a shape whose one-row winner on the H200 is the one-row loop
@@ -83,7 +83,7 @@ def test_one_row_tuning_is_never_reused_for_several_rows():
 def _families():
     """(meta-parameters, num_warps, num_stages) of every kernel variant a tuned table or the
     autotuner may pick (the sweep's families include the autotuner's)."""
-    from mpinfer.kernels import tuning
+    from mpinfer.model.kernels import tuning
 
     return [tuning.parse(n) for n in tuning.names(tuning.SWEEP_FAMILIES, (1,), "float16")]
 
@@ -97,7 +97,7 @@ def test_every_config_family_split_k(dtype):
     for the one GPU it wins on."""
     import triton
 
-    from mpinfer.kernels import tuning, w8a16
+    from mpinfer.model.kernels import tuning, w8a16
 
     jit = w8a16._w8a16_kernel.fn.fn  # under the autotuner and the heuristics
     ws, counters = w8a16._device_scratch(torch.device("cuda"))
@@ -134,7 +134,7 @@ def test_every_config_family_split_k(dtype):
 
 def _engine_tokens(runner, prompts, params_list, **engine_kw):
     """Greedy or seeded generations of `prompts` through the engine on `runner` (one GPU)."""
-    from mpinfer.engine import Engine
+    from mpinfer.engine.engine import Engine
 
     engine = Engine(runner, runner.ctx, _ByteTok(), **engine_kw)
     results = {}
@@ -156,8 +156,8 @@ def test_graph_decode_equals_eager_decode_token_for_token():
     """The engine on the bloom-7b1 shape (int8, fp16), 8 prompts of different lengths and
     budgets in one batch, so rows leave and the step replays smaller buckets with padding rows:
     the captured graphs give exactly the eager path's greedy tokens."""
-    from mpinfer.runner import step_buckets
-    from mpinfer.sampling import SamplingParams
+    from mpinfer.engine.runner import step_buckets
+    from mpinfer.engine.sampling import SamplingParams
     from mpinfer.tools.randmodel import build_random, make_runner
 
     model, shape, tp = build_random("bloom-7b1", "int8")
@@ -182,7 +182,7 @@ def test_seeded_sampling_gives_the_same_tokens_alone_and_in_a_batch_of_32():
     the model's logits for a row do not move with the batch size (the int8 fp16 kernels pick
     per-batch configurations whose last bits differ; the sampler itself is exact either way:
     test_sampling.py)."""
-    from mpinfer.sampling import SamplingParams
+    from mpinfer.engine.sampling import SamplingParams
     from mpinfer.tools.randmodel import build_random, make_runner
 
     model, shape, tp = build_random("bloom-560m", "none", dtype=torch.float32)
@@ -203,7 +203,7 @@ def test_seeded_sampling_gives_the_same_tokens_alone_and_in_a_batch_of_32():
 
 
 def test_sampler_on_the_gpu_is_batch_independent_and_matches_the_cpu():
-    from mpinfer.sampling import Row, Sampler, SamplingParams
+    from mpinfer.engine.sampling import Row, Sampler, SamplingParams
 
     V = 250880
     g = torch.Generator().manual_seed(2)
@@ -224,7 +224,7 @@ def test_sampler_on_the_gpu_is_batch_independent_and_matches_the_cpu():
 def test_padding_rows_of_a_bucket_write_nothing():
     """A step of 3 rows replays the 4-row graph: the padding row (slot -1) writes no cache
     entry, so every slot but the 3 decoded ones is unchanged, bit for bit."""
-    from mpinfer.runner import Step
+    from mpinfer.engine.runner import Step
     from mpinfer.tools.randmodel import build_random, fill_context, make_runner
 
     model, shape, tp = build_random("bloom-560m", "int8")
@@ -247,10 +247,10 @@ def test_fused_decode_attention_matches_eager_model(dtype, splits, monkeypatch):
     here (8: one per 32-key tile of the cache) and forced ones: a row's whole history in one
     program (up to 6 tiles, the last ragged) or in two uneven ones, so a large batch's long
     programs are checked on a small batch."""
-    from mpinfer.kernels import attention
-    from mpinfer.layers import TPGroup
-    from mpinfer.model import BloomModel, BloomShape, KVCache
-    from mpinfer.quant import Int8Method
+    from mpinfer.model.bloom import BloomModel, BloomShape, KVCache
+    from mpinfer.model.kernels import attention
+    from mpinfer.model.layers import TPGroup
+    from mpinfer.model.quant import Int8Method
     from mpinfer.tools.randmodel import randomize_model
 
     shape = BloomShape(vocab_size=3000, hidden_size=384, n_layer=2, n_head=6)
@@ -298,7 +298,7 @@ def test_fused_decode_attention_matches_eager_model(dtype, splits, monkeypatch):
 
 @pytest.mark.parametrize("hidden", [64, 1000, 4096, 14336])
 def test_layer_norm_kernel_matches_torch(hidden):
-    from mpinfer.kernels.layernorm import layer_norm_rows
+    from mpinfer.model.kernels.layernorm import layer_norm_rows
 
     ln = torch.nn.LayerNorm(hidden, device="cuda", dtype=torch.float16)
     with torch.no_grad():
@@ -319,9 +319,9 @@ def test_flat_step_kernels_match_the_reference_attention(dtype, block_size, kv):
     start mid-row and span several tiles, a chunk of one token; rows on shuffled blocks of 16
     and on one block each; padding tokens (row -1) write nothing; the cache in the model's
     dtype and in int8 with a scale per token and head."""
-    from mpinfer.attention import FlatBatch, KVCache, attend_kernels, attend_reference
-    from mpinfer.model import BloomShape, alibi_slopes
-    from mpinfer.runner import Layout, Prefill, Step, StepInputs
+    from mpinfer.engine.runner import Layout, Prefill, Step, StepInputs
+    from mpinfer.model.attention import FlatBatch, KVCache, attend_kernels, attend_reference
+    from mpinfer.model.bloom import BloomShape, alibi_slopes
 
     shape = BloomShape(vocab_size=100, hidden_size=512, n_layer=1, n_head=4)  # head_dim 128
     heads, hd = 4, 128
@@ -388,7 +388,7 @@ def test_chunked_prompts_equal_unchunked_through_the_engine():
     """Prompts longer than the step's token budget are prefilled in chunks across steps, beside
     other rows decoding; greedy tokens equal a budget that takes each prompt whole (fp32, so
     only summation order differs), with graphs."""
-    from mpinfer.sampling import SamplingParams
+    from mpinfer.engine.sampling import SamplingParams
     from mpinfer.tools.randmodel import build_random, make_runner
 
     model, shape, tp = build_random("bloom-560m", "int8", dtype=torch.float32)

@@ -9,8 +9,8 @@ import pytest
 
 from mpinfer.cli import main as mpinfer_main
 from mpinfer.config import load_config
-from mpinfer.memory import plan_memory
-from mpinfer.model import BloomShape
+from mpinfer.model.bloom import BloomShape
+from mpinfer.model.memory import plan_memory
 
 from .conftest import ROOT, torchrun
 

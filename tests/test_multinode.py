@@ -21,8 +21,8 @@ import psutil
 import pytest
 import torch
 
-from mpinfer.launcher import free_port
-from mpinfer.sharded import MANIFEST, rank_file, shard_checkpoint
+from mpinfer.checkpoint.sharded import MANIFEST, rank_file, shard_checkpoint
+from mpinfer.startup.launcher import free_port
 from mpinfer.tools.serverproc import wait_ready
 
 from .conftest import ENV, ROOT

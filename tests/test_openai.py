@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from mpinfer.chat import load_chat_template
+from mpinfer.server.chat import load_chat_template
 
 # fp32 on both sides, different reduction orders (tp 2 partial sums): log-probabilities agree to
 # about 1e-5; 1e-4 leaves room and still catches an off-by-one position (errors of ~1).
@@ -279,8 +279,8 @@ def test_generation_routes_answer_503_until_the_engine_is_attached(status):
     from fastapi.testclient import TestClient
 
     from mpinfer.config import load_config
-    from mpinfer.routes import build_app
-    from mpinfer.streams import State
+    from mpinfer.server.routes import build_app
+    from mpinfer.server.streams import State
 
     state = State(load_config(overrides=["model.path=unused"]), model_name="m")
     state.status = status

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mpinfer.quant import (
+from mpinfer.model.quant import (
     BnbInt8Method,
     DenseMethod,
     Int8Method,
@@ -75,7 +75,7 @@ def test_attention_splits_fill_the_gpu_without_tiny_programs(sms):
     """The decode attention's programs per row and head (tuning.attention_splits): about 8 per
     SM across batch x heads, capped by the cache's 32-key tiles and by 32, never fewer splits
     than that allows, and fewer (longer) splits, not more, as the batch grows."""
-    from mpinfer.kernels.tuning import attention_splits
+    from mpinfer.model.kernels.tuning import attention_splits
 
     for heads in (14, 32, 112):
         for max_seq in (1, 64, 128, 129, 576, 2048, 4096):

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from mpinfer.detok import TextStream
-from mpinfer.sampling import (
+from mpinfer.engine.detok import TextStream
+from mpinfer.engine.sampling import (
     MAX_TOP_N,
     Row,
     Sampler,

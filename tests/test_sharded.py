@@ -12,7 +12,7 @@ import time
 import pytest
 from safetensors import safe_open
 
-from mpinfer.sharded import MANIFEST, rank_file, shard_checkpoint
+from mpinfer.checkpoint.sharded import MANIFEST, rank_file, shard_checkpoint
 from mpinfer.tools.tiny import make_tiny
 
 from .conftest import ROOT, torchrun

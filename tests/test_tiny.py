@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from mpinfer.checkpoint import HFCheckpoint
+from mpinfer.checkpoint.hf import HFCheckpoint
 from mpinfer.cli import main as mpinfer_main
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from mpinfer.kernels import tuning
+from mpinfer.model.kernels import tuning
 
 
 def test_every_sweep_config_name_round_trips():

@@ -23,9 +23,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ..config import load_config
+from ..engine.runner import Prefill, Step
 from ..extras import require
-from ..memory import plan_memory
-from ..runner import Prefill, Step
+from ..model.memory import plan_memory
 from .memcheck import MEMORY_CASES, memory_check, memory_check_table
 from .randmodel import (
     SHAPES,

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..kernels import tuning
-from ..kernels.tuning import attention_splits, sm_count
-from ..model import BloomShape
-from ..sharding import shard_specs
+from ..model.bloom import BloomShape
+from ..model.kernels import tuning
+from ..model.kernels.tuning import attention_splits, sm_count
+from ..model.sharding import shard_specs
 from .randmodel import SHAPES as ARCHS
 from .report import machine, md_table, measure_ceilings, save_result
 
@@ -122,7 +122,7 @@ def _operands(name, N, K, epilogue, M, dtype, copies):
 
 
 def bench_shape(name, N, K, epilogue, M, dtype, l2_bytes) -> dict:
-    from ..kernels import w8a16  # Triton: GPU only
+    from ..model.kernels import w8a16  # Triton: GPU only
 
     g, qs, scale, x, bias, res = _operands(name, N, K, epilogue, M, dtype, _copies(N * K, l2_bytes))
     gelu = epilogue == "gelu"
@@ -172,7 +172,7 @@ def _compile(task) -> str | None:
     binary lands in Triton's on-disk cache, where the tuning process finds it). None, or why
     the variant cannot run."""
     name, N, K, epilogue, M, dtype, config = task
-    from ..kernels import w8a16  # Triton: GPU only
+    from ..model.kernels import w8a16  # Triton: GPU only
 
     _, (q,), scale, x, bias, res = _operands(name, N, K, epilogue, M, getattr(torch, dtype), 1)
     try:
@@ -246,7 +246,7 @@ def _variant(shape, K, epi, M, dt, config) -> tuple:
 
 
 def _tune_launch(shape, N, K, epi, M, dtype, dt, cands, l2_bytes, vs_autotune) -> dict:
-    from ..kernels import w8a16  # Triton: GPU only
+    from ..model.kernels import w8a16  # Triton: GPU only
 
     _, qs, scale, x, bias, res = _operands(shape, N, K, epi, M, dtype, _copies(N * K, l2_bytes))
     gelu = epi == "gelu"
@@ -332,7 +332,7 @@ def attention_sweep(context: int, max_seqs: list[int], l2_bytes: int, dtype=torc
 
 
 def _attention_case(name, B, heads, context, max_seq, l2_bytes, dtype) -> dict:
-    from ..kernels import attention  # Triton: GPU only
+    from ..model.kernels import attention  # Triton: GPU only
 
     sms = sm_count(0)
     head_dim = 128

@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.hostmem import HostMemoryMonitor, return_large_frees_to_os
+from ..checkpoint.loader import load_model
+from ..checkpoint.sharded import shard_checkpoint
 from ..config import load_config
 from ..dist import init_distributed, teardown, torchrun_command
 from ..extras import require
-from ..hostmem import HostMemoryMonitor, return_large_frees_to_os
-from ..loader import load_model
-from ..model import BloomShape
-from ..sharded import shard_checkpoint
-from ..sharding import shard_specs
+from ..model.bloom import BloomShape
+from ..model.sharding import shard_specs
 from .report import machine, md_table, save_result
 from .tiny import make_tiny
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from ..config import load_config
-from ..memory import GIB, budget_bytes, plan_memory
-from ..runner import Prefill, Step
-from ..sampling import Row, Sampler, SamplingParams
+from ..engine.runner import Prefill, Step
+from ..engine.sampling import Row, Sampler, SamplingParams
+from ..model.memory import GIB, budget_bytes, plan_memory
 from .randmodel import SHAPES, build_random, decode_step, free_gpu, make_runner
 from .report import md_table
 

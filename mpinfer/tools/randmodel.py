@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.loader import build_meta_model, finish_model
 from ..config import load_config
 from ..dist import DistContext
-from ..layers import TPGroup
-from ..loader import build_meta_model, finish_model
-from ..model import BloomShape, LoadedModel
-from ..runner import ModelRunner, Prefill, Step
+from ..engine.runner import ModelRunner, Prefill, Step
+from ..model.bloom import BloomShape, LoadedModel
+from ..model.layers import TPGroup
 
 ARCH_DIR = Path(__file__).resolve().parents[2] / "configs" / "arch"
 

@@ -25,13 +25,13 @@ from pathlib import Path
 import httpx
 import torch
 
+from ..checkpoint.loader import load_model
 from ..config import load_config
 from ..dist import init_distributed, teardown
-from ..engine import Engine
-from ..loader import load_model
-from ..runner import ModelRunner
-from ..runtime import load_tokenizer
-from ..sampling import SamplingParams
+from ..engine.engine import Engine
+from ..engine.runner import ModelRunner
+from ..engine.sampling import SamplingParams
+from ..startup.runtime import load_tokenizer
 from .randmodel import SHAPES
 from .report import machine, md_table, save_result
 from .servegpu import run_serve_gpu, serve_gpu_table

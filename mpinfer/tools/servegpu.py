@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.loader import load_model
 from ..config import load_config
 from ..dist import init_distributed, teardown
+from ..engine.runner import ModelRunner, Prefill, Step
+from ..engine.sampling import Row, Sampler, SamplingParams
 from ..extras import require
-from ..loader import load_model
-from ..runner import ModelRunner, Prefill, Step
-from ..runtime import load_tokenizer
-from ..sampling import Row, Sampler, SamplingParams
+from ..startup.runtime import load_tokenizer
 from . import loadgen
 from .randmodel import SHAPES, decode_step, fill_context
 from .report import cuda_time, machine, md_table

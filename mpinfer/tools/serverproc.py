@@ -21,7 +21,7 @@ import httpx
 import psutil
 
 from ..extras import require
-from ..launcher import free_port
+from ..startup.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

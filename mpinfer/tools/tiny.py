@@ -27,8 +27,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ..model import BloomShape
-from ..sharding import shard_specs
+from ..model.bloom import BloomShape
+from ..model.sharding import shard_specs
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0..3, as BLOOM has them
 WORDS = (

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mpinfer.kernels.w8a16 import w8a16_matmul
+from mpinfer.model.kernels.w8a16 import w8a16_matmul
 
 from .common import graph_us, read_chunks
 

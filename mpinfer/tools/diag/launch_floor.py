@@ -42,7 +42,7 @@ print(
     "| bytes MB | read-only us | GB/s | config | W8A16 1 row us | GB/s |\n|---|---|---|---|---|---|"
 )
 reads, mms = [], []
-from mpinfer.kernels.w8a16 import w8a16_matmul  # noqa: E402
+from mpinfer.model.kernels.w8a16 import w8a16_matmul  # noqa: E402
 
 for size in sizes:
     copies = max(2, min(2 * (2 << 30) // (3 * size), (2 << 30) // size))

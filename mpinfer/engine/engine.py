@@ -32,8 +32,8 @@ from collections.abc import Callable
 
 import torch
 
-from .dist import DistContext
-from .memory import decode_buckets
+from ..dist import DistContext
+from ..model.memory import decode_buckets
 from .request import EngineFailed, Event, InFlight, QueueFull, Request, Sequence, notify
 from .runner import IDLE, STOP, ModelRunner, Step
 from .sampling import MAX_TOP_N, Row, Sampler, SamplingParams, prompt_token_logprobs

@@ -29,8 +29,8 @@ import time
 from fastapi import Request
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..config import ServerConfig
 from .api import ApiError
-from .config import ServerConfig
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]", "::1")
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import RunConfig, parse_bytes
+from ..dist import DistContext, broadcast_object, gather_objects
 from .attention import KVCache
-from .config import RunConfig, parse_bytes
-from .dist import DistContext, broadcast_object, gather_objects
-from .model import BloomShape, LoadedModel
+from .bloom import BloomShape, LoadedModel
 from .sharding import specs_for
 
 log = logging.getLogger("mpinfer")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .model import BloomShape
+from .bloom import BloomShape
 from .quant import quantize_rows
 
 

@@ -21,11 +21,11 @@ from collections import defaultdict
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..config import RunConfig
+from ..engine.engine import Engine
+from ..engine.request import EngineFailed, Event, QueueFull, Result
 from .api import ApiError, Job, check_text, rename
 from .chat import ChatTemplate
-from .config import RunConfig
-from .engine import Engine
-from .request import EngineFailed, Event, QueueFull, Result
 
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 

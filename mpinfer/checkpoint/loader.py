@@ -26,16 +26,16 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from ..config import RunConfig
+from ..dist import DistContext, broadcast_object, gather_objects
+from ..model.bloom import DTYPES, BloomModel, BloomShape, LoadedModel
+from ..model.layers import TPGroup
+from ..model.memory import check_fits
+from ..model.quant import make_linear_method
+from ..model.sharding import ShardSpec, rank_entries, shard_tensor, specs_for
 from . import sharded
-from .checkpoint import HFCheckpoint, inspect_checkpoint
-from .config import RunConfig
-from .dist import DistContext, broadcast_object, gather_objects
+from .hf import HFCheckpoint, inspect_checkpoint
 from .hostmem import HostMemoryMonitor, return_large_frees_to_os
-from .layers import TPGroup
-from .memory import check_fits
-from .model import DTYPES, BloomModel, BloomShape, LoadedModel
-from .quant import make_linear_method
-from .sharding import ShardSpec, rank_entries, shard_tensor, specs_for
 
 log = logging.getLogger("mpinfer")
 

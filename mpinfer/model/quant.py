@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .extras import require
+from ..extras import require
 from .kernels import epilogue, int8_linear
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .model import to_device
+from ..model.bloom import to_device
 
 # Below this temperature a request is greedy: x / T would leave fp32's range.
 MIN_TEMPERATURE = 1e-5

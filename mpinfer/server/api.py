@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import GenerationConfig
-from .sampling import MAX_STOP, MIN_TEMPERATURE, SamplingParams
+from ..config import GenerationConfig
+from ..engine.sampling import MAX_STOP, MIN_TEMPERATURE, SamplingParams
 
 INT64 = 2**63
 MAX_STOP_CHARS = 1000  # a stop string is searched in every token's text: keep it short

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..engine.sampling import MAX_TOP_N
 from .api import ApiError, Fields, Job, Parsed, check_params, check_text, read_json, sampling_params
-from .sampling import MAX_TOP_N
 from .streams import State
 
 STATUS = 400

@@ -25,13 +25,13 @@ from pathlib import Path
 
 import uvicorn
 
+from ..config import RunConfig, add_config_args, config_from_args
+from ..dist import DistContext, raise_everywhere
+from ..startup.launcher import add_launch_args
+from ..startup.runtime import run_rank, start
 from .chat import load_chat_template
-from .config import RunConfig, add_config_args, config_from_args
-from .dist import DistContext, raise_everywhere
 from .guard import protocol_for
-from .launcher import add_launch_args
 from .routes import build_app
-from .runtime import run_rank, start
 from .streams import State
 
 log = logging.getLogger("mpinfer")

@@ -34,11 +34,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import __version__
-from .checkpoint import CheckpointError, inspect_checkpoint, read_config
-from .config import RunConfig
-from .model import DTYPES
-from .sharding import rank_entries, shard_tensor, specs_for
+from .. import __version__
+from ..config import RunConfig
+from ..model.bloom import DTYPES
+from ..model.sharding import rank_entries, shard_tensor, specs_for
+from .hf import CheckpointError, inspect_checkpoint, read_config
 
 log = logging.getLogger("mpinfer")
 

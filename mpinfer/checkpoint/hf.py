@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .model import BloomShape
-from .sharding import ShardSpec, specs_for
+from ..model.bloom import BloomShape
+from ..model.sharding import ShardSpec, specs_for
 
 PREFIX = "transformer."
 # Tensors a BLOOM checkpoint may hold that the model does not use (the LM head is tied).

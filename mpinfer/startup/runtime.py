@@ -25,14 +25,14 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from .checkpoint import read_config
-from .config import RunConfig
-from .dist import DistContext, init_distributed, raise_everywhere, teardown
-from .engine import Engine
-from .loader import load_model
-from .memory import kv_cache_size
-from .runner import ModelRunner, run_worker
-from .sampling import SamplingParams
+from ..checkpoint.hf import read_config
+from ..checkpoint.loader import load_model
+from ..config import RunConfig
+from ..dist import DistContext, init_distributed, raise_everywhere, teardown
+from ..engine.engine import Engine
+from ..engine.runner import ModelRunner, run_worker
+from ..engine.sampling import SamplingParams
+from ..model.memory import kv_cache_size
 
 log = logging.getLogger("mpinfer")
 

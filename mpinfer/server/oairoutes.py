@@ -15,7 +15,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from . import __version__
+from .. import __version__
 from .api import ApiError, Parsed, finite, openai_error
 from .oai import NAMES, STATUS, parse_chat, parse_completions
 from .streams import State, Submission, unix_time

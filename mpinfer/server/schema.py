@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 
+from ..engine.sampling import MAX_STOP, MAX_TOP_N
 from .oai import MAX_N
-from .sampling import MAX_STOP, MAX_TOP_N
 
 NUMBER = {"type": "number"}
 STOP = {"anyOf": [{"type": "string", "minLength": 1},

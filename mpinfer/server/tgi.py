@@ -18,8 +18,8 @@ import json
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ..engine.sampling import MAX_TOP_N
 from .api import ApiError, Fields, Job, Parsed, check_params, read_json, sampling_params, tgi_error
-from .sampling import MAX_TOP_N
 from .streams import State, Submission
 
 STATUS = 422

@@ -36,11 +36,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .attention import FlatBatch, KVCache
-from .dist import DistContext
-from .kernels.tuning import CHUNK_TILE
-from .memory import PROMPT_LOGPROB_ROWS, decode_buckets
-from .model import LoadedModel, to_device
+from ..dist import DistContext
+from ..model.attention import FlatBatch, KVCache
+from ..model.bloom import LoadedModel, to_device
+from ..model.kernels.tuning import CHUNK_TILE
+from ..model.memory import PROMPT_LOGPROB_ROWS, decode_buckets
 
 log = logging.getLogger("mpinfer")
 

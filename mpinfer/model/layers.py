@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .dist import divide
+from ..dist import divide
 from .quant import LinearMethod, _empty
 
 

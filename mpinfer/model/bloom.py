@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..dist import divide
 from .attention import (
     FlatBatch,
     KVCache,
@@ -34,7 +35,6 @@ from .attention import (
     read_kv,
     write_kv,
 )
-from .dist import divide
 from .layers import (
     ColumnParallelLinear,
     ParallelLMHead,

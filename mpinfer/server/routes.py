@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from . import __version__, oairoutes, tgi
+from .. import __version__
+from . import oairoutes, tgi
 from .api import ApiError, Fields, openai_error, read_json, tgi_error
 from .guard import BodyTooLarge, Guard
 from .oai import message_list
