@@ -13,6 +13,8 @@ import torch
 
 from mpinfer.server.chat import load_chat_template
 
+from .conftest import TINY
+
 # fp32 on both sides, different reduction orders (tp 2 partial sums): log-probabilities agree to
 # about 1e-5; 1e-4 leaves room and still catches an off-by-one position (errors of ~1).
 TOL = 1e-4
@@ -214,13 +216,34 @@ def test_tgi_details_prefill_top_tokens_and_best_of(server, hf_model, tok):
 
 
 def test_openapi_describes_every_request_body_and_its_errors(server):
+    """Generated from the request models: each body a closed object with its required fields,
+    this server's limits on the lengths and token ids, and every error status in its face's
+    shape."""
     spec = httpx.get(server.url + "/openapi.json").json()
-    for path in ("/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions"):
+    schemas = spec["components"]["schemas"]
+
+    def resolve(ref: dict) -> dict:
+        return schemas[ref["$ref"].rsplit("/", 1)[1]]
+
+    for path, required, error in (
+        ("/generate", "inputs", "error_type"), ("/generate_stream", "inputs", "error_type"),
+        ("/", "inputs", "error_type"), ("/v1/completions", "prompt", "error"),
+        ("/v1/chat/completions", "messages", "error"), ("/tokenize", None, "error"),
+    ):  # fmt: skip
         op = spec["paths"][path]["post"]
-        schema = op["requestBody"]["content"]["application/json"]["schema"]
-        assert schema["type"] == "object" and schema["required"]
-        assert {"200", "429", "503"} <= set(op["responses"])
+        schema = resolve(op["requestBody"]["content"]["application/json"]["schema"])
+        assert schema["type"] == "object" and schema["additionalProperties"] is False
+        assert required is None or required in schema["required"]
+        assert {"200", "400", "422", "429", "503"} <= set(op["responses"])
         assert "text/event-stream" in op["responses"]["200"]["content"]
+        err = resolve(op["responses"]["422"]["content"]["application/json"]["schema"])
+        assert error in err["properties"]
+    info = httpx.get(server.url + "/info").json()
+    tgi = schemas["TgiParameters"]["properties"]
+    limit = [o for o in tgi["max_new_tokens"]["anyOf"] if o.get("type") == "integer"][0]
+    assert limit["maximum"] == info["max_seq_len"] - 1
+    ids = schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]
+    assert ids["maximum"] == TINY["vocab"] - 1
 
 
 def test_tokenizer_routes_round_trip(server, tok):
@@ -293,3 +316,38 @@ def test_generation_routes_answer_503_until_the_engine_is_attached(status):
         assert r.status_code == 503, (route, r.text)
         assert status in r.text or "loading" in r.text, (route, r.text)
     assert client.get("/health").status_code == 503
+
+
+def test_request_models_name_the_field_as_the_request_wrote_it():
+    """pydantic's errors become the face's: the path into the body (list indices, nested
+    objects; a union's branch names left out), what was wrong and what was sent; a null is an
+    absent field; a boolean is not an integer, an infinite number is not a number."""
+    from mpinfer.server.api import ApiError, validate
+    from mpinfer.server.oai import ChatRequest, CompletionRequest
+    from mpinfer.server.tgi import TgiRequest
+
+    def error(model, body) -> str:
+        with pytest.raises(ApiError) as e:
+            validate(model, body, 422)
+        assert e.value.status == 422 and e.value.message.startswith(e.value.field)
+        return e.value.message
+
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+    assert error(ChatRequest, image).startswith("messages[0].content[0].type: ")
+    assert error(ChatRequest, {"messages": [{"role": "robot"}]}).startswith("messages[0].role")
+    assert error(TgiRequest, {"inputs": "x", "parameters": {"top_k": "3"}}) == (
+        "parameters.top_k: input should be a valid integer, got string"
+    )
+    assert error(TgiRequest, {"inputs": "x", "colour": 1}) == "colour: unknown field"
+    assert error(TgiRequest, {"inputs": "x", "parameters": {"max_new_tokens": True}}).startswith(
+        "parameters.max_new_tokens: input should be a valid integer"
+    )
+    assert error(TgiRequest, {"inputs": "x", "parameters": {"temperature": float("inf")}}
+                 ).startswith("parameters.temperature: ")  # fmt: skip
+    assert error(CompletionRequest, {"prompt": "x", "n": 17}).startswith(
+        "n: input should be less than or equal"
+    )
+    r = validate(TgiRequest, {"inputs": "x", "parameters": None, "stream": None}, 422)
+    assert r.parameters.best_of == 1 and r.stream is False
+    r = validate(CompletionRequest, {"prompt": [[1, 2], [3]], "max_tokens": 4}, 400)
+    assert r.prompt == [[1, 2], [3]] and r.max_tokens == 4

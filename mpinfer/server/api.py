@@ -1,13 +1,15 @@
 """What every HTTP route shares before a request reaches the engine: the body read as a JSON
-object, typed getters that name the field they reject, the sampling parameters built from a
-request's fields on top of the config's [generation] defaults, and both formats of error body.
-TGI routes answer 422 for bad input, OpenAI routes 400.
+object, the pydantic base of the request models (`Body`: strict types, no unknown field) and
+`validate`, whose errors name the field as the request wrote it, the sampling fields every
+generating route shares and the SamplingParams built from them on top of the config's
+[generation] defaults, and both formats of error body. TGI routes answer 422 for bad input,
+OpenAI routes 400.
 
 Nothing a client sends reaches the sampler unchecked: every number is range-checked against what
-the sampler computes (sampling.SamplingParams.check), integers beyond int64 and non-finite
+the sampler computes (sampling.SamplingParams.check), integers beyond their range and non-finite
 numbers are refused, strings with lone surrogates (invalid Unicode) are refused, a body that
 nests deeper than Python's JSON reader can follow is refused. No FastAPI here, so each rule is
-testable on its own. What is not here: each route family's own fields (tgi.py, oai.py).
+testable on its own. What is not here: each face's own models (tgi.py, oai.py, routes.py).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..config import GenerationConfig
 from ..engine.sampling import MAX_STOP, MIN_TEMPERATURE, SamplingParams
@@ -102,71 +106,97 @@ def check_text(value: str, where: str, status: int) -> str:
     return value
 
 
-class Fields:
-    """Typed getters over one JSON object; every error names the field (with its prefix)."""
+class Body(BaseModel):
+    """A request body (or a nested object of one): strict types as JSON has them (an integer is
+    not a boolean, a string is not a number), finite numbers, and no field it does not declare.
+    A null is read as an absent field (`validate` drops it first)."""
 
-    def __init__(self, data: dict, status: int, prefix: str = ""):
-        self.data, self.status, self.prefix = data, status, prefix
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
-    def fail(self, key: str, msg: str):
-        raise ApiError(self.status, f"{self.prefix}{key}: {msg}", field=self.prefix + key)
 
-    def get(self, key: str, kind: str, default: Any = None) -> Any:
-        """kind: int | float | bool | str | object | list; None (absent or null) -> default."""
-        value = self.data.get(key)
-        if value is None:
-            return default
-        ok = {
-            "int": isinstance(value, int) and not isinstance(value, bool),
-            "float": isinstance(value, (int, float)) and not isinstance(value, bool),
-            "bool": isinstance(value, bool),
-            "str": isinstance(value, str),
-            "object": isinstance(value, dict),
-            "list": isinstance(value, list),
-        }[kind]
-        if not ok:
-            self.fail(key, f"expected {kind}, got {json_type(value)}")
-        if kind == "int" and not -INT64 <= value < 2 * INT64:
-            self.fail(key, f"{value} is outside the 64-bit integer range")
-        if kind == "float":
-            value = float(value) if abs(value) < 1e308 or isinstance(value, float) else math.inf
-            if not math.isfinite(value):
-                self.fail(key, f"must be a finite number, got {value}")
-        if kind == "str":
-            check_text(value, self.prefix + key, self.status)
-        return value
+def validate(model: type[Body], data: dict, status: int, *, prefix: str = "") -> Body:
+    """`data` as `model`; the first error becomes an ApiError naming the field as the request
+    wrote it (`parameters.top_k`, `messages[0].role`)."""
+    try:
+        return model.model_validate(drop_nulls(data))
+    except ValidationError as e:
+        raise api_error(e, data, status, prefix) from None
 
-    def ranged(self, key: str, kind: str, lo, hi, default=None):
-        value = self.get(key, kind, default)
-        if value is not None and not lo <= value <= hi:
-            self.fail(key, f"must be in [{lo}, {hi}], got {value}")
-        return value
 
-    def stop_list(self, key: str) -> tuple[str, ...]:
-        value = self.data.get(key)
-        if value is None:
-            return ()
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-            self.fail(key, "expected a string or a list of strings")
-        if len(value) > MAX_STOP:
-            self.fail(key, f"at most {MAX_STOP} stop strings, got {len(value)}")
-        for s in value:
-            check_text(s, self.prefix + key, self.status)
-            if not s or len(s) > MAX_STOP_CHARS:
-                self.fail(key, f"each stop string must have 1 to {MAX_STOP_CHARS} characters")
-        return tuple(value)
+def drop_nulls(value):
+    """Objects without their null fields, at every depth (lists are walked only when they hold
+    objects: a prompt of 2,000 token ids is not)."""
+    if isinstance(value, dict):
+        return {k: drop_nulls(v) if isinstance(v, (dict, list)) else v
+                for k, v in value.items() if v is not None}  # fmt: skip
+    if isinstance(value, list) and value and isinstance(value[0], (dict, list)):
+        return [drop_nulls(v) for v in value]
+    return value
 
-    def reject_unknown(self, known: set[str]) -> None:
-        for key in self.data:
-            if key not in known:
-                self.fail(key, "unknown field")
 
-    def reject_set(self, key: str, why: str, allowed=(None,)) -> None:
-        """`key` may only be absent or one of `allowed` (accepted for compatibility)."""
-        if self.data.get(key) not in allowed:
-            self.fail(key, why)
+def api_error(e: ValidationError, data, status: int, prefix: str) -> ApiError:
+    """The error that goes deepest into the request (a union's other branches fail sooner),
+    its location written as the request's path; pydantic's union tags left out."""
+    best, best_path, best_depth = None, "", -1
+    for err in e.errors():
+        node, path, depth = data, prefix.rstrip("."), 0
+        for part in err["loc"]:
+            if isinstance(part, int) and isinstance(node, list) and part < len(node):
+                node, path = node[part], f"{path}[{part}]"
+            elif isinstance(node, dict) and part in node:
+                node, path = node[part], f"{path}.{part}" if path else str(part)
+            else:
+                continue  # a union member's tag, not a place in the request
+            depth += 1
+        if err["type"] == "extra_forbidden" or depth > best_depth:
+            best, best_path, best_depth = err, path, depth
+            if err["type"] == "extra_forbidden":
+                break
+    kind = best["type"]
+    if kind == "extra_forbidden":
+        message = "unknown field"
+    elif kind.endswith("_type") and "input" in best:
+        message = f"{best['msg'].lower()}, got {json_type(best['input'])}"
+    else:
+        message = best["msg"][0].lower() + best["msg"][1:]
+        if "input" in best and not isinstance(best["input"], (dict, list)):
+            message += f", got {best['input']!r}"
+    where = best_path or "body"
+    return ApiError(status, f"{where}: {message}", field=best_path)
+
+
+def check_stop(stop, where: str, status: int) -> tuple[str, ...]:
+    """A stop string or list as a tuple: at most MAX_STOP, each 1 to MAX_STOP_CHARS characters."""
+    if stop is None:
+        return ()
+    value = [stop] if isinstance(stop, str) else list(stop)
+    if len(value) > MAX_STOP:
+        raise ApiError(status, f"{where}: at most {MAX_STOP} stop strings, got {len(value)}",
+                       field=where)  # fmt: skip
+    for s in value:
+        check_text(s, where, status)
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise ApiError(status, f"{where}: each stop string must have 1 to {MAX_STOP_CHARS} "
+                           "characters", field=where)  # fmt: skip
+    return tuple(value)
+
+
+# Field types of the request models: integers of 64 bits, positive sizes of 31.
+Count = Annotated[int, Field(ge=1, le=2**31)]
+Stop = str | list[str]
+
+
+class SamplingFields(Body):
+    """The sampling controls every generating route shares (their ranges are the sampler's)."""
+
+    temperature: float | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, lt=INT64)
+    top_p: float | None = Field(None, gt=0, le=1)
+    typical_p: float | None = Field(None, gt=0, le=1)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = Field(None, ge=0, le=2**64 - 1)
+    stop: Stop | None = None
 
 
 def json_type(value) -> str:
@@ -175,50 +205,54 @@ def json_type(value) -> str:
 
 
 def sampling_params(
-    f: Fields, defaults: GenerationConfig, *, max_new_key: str, max_new: int | None,
-    sample_default: bool, names: dict[str, str],
+    m: SamplingFields, defaults: GenerationConfig, *, max_new_key: str, max_new: int | None,
+    sample_default: bool, names: dict[str, str], status: int, prefix: str = "",
 ) -> SamplingParams:  # fmt: skip
     """SamplingParams from a request's fields on top of the config's [generation] defaults.
     Sampling happens when `do_sample` says so, else when any sampling control is given (or
     `sample_default`); a temperature below MIN_TEMPERATURE, 0 included, is greedy on every
     route. `names` maps SamplingParams fields to the request's own names for errors."""
-    temperature = f.get("temperature", "float")
-    top_k, top_p = f.get("top_k", "int"), f.get("top_p", "float")
-    typical_p = f.get("typical_p", "float")
-    do_sample = f.get("do_sample", "bool")
+    temperature, top_k, top_p, typical_p = m.temperature, m.top_k, m.top_p, m.typical_p
+    extra = m.__dict__  # the fields only some routes have (a model keeps its values here)
+    do_sample = extra.get("do_sample")
     if do_sample is None:
         do_sample = defaults.do_sample or sample_default
         do_sample = do_sample or any(v is not None for v in (top_k, top_p, typical_p))
         if temperature is not None:
             do_sample = temperature >= MIN_TEMPERATURE
-    seed = f.get("seed", "int")
+    seed = m.seed
     if seed is None and defaults.seed >= 0:
         seed = defaults.seed
+
+    def given(value, default):
+        return default if value is None else value
+
     params = SamplingParams(
         max_new_tokens=defaults.max_new_tokens if max_new is None else max_new,
         do_sample=bool(do_sample),
-        temperature=defaults.temperature if temperature is None else temperature,
-        top_k=defaults.top_k if top_k is None else top_k,
-        top_p=defaults.top_p if top_p is None else top_p,
-        typical_p=defaults.typical_p if typical_p is None else typical_p,
-        repetition_penalty=f.get("repetition_penalty", "float", defaults.repetition_penalty),
-        frequency_penalty=f.get("frequency_penalty", "float", 0.0),
-        presence_penalty=f.get("presence_penalty", "float", 0.0),
+        temperature=given(temperature, defaults.temperature),
+        top_k=given(top_k, defaults.top_k),
+        top_p=given(top_p, defaults.top_p),
+        typical_p=given(typical_p, defaults.typical_p),
+        repetition_penalty=given(m.repetition_penalty, defaults.repetition_penalty),
+        frequency_penalty=given(m.frequency_penalty, 0.0),
+        presence_penalty=given(extra.get("presence_penalty"), 0.0),
         seed=seed,
-        stop=f.stop_list("stop"),
-        ignore_eos=bool(f.get("ignore_eos", "bool", False)),
-        min_tokens=f.get("min_tokens", "int", 0),
+        stop=check_stop(m.stop, prefix + "stop", status),
+        ignore_eos=bool(extra.get("ignore_eos", False)),
+        min_tokens=extra.get("min_tokens", 0),
     )
-    return check_params(params, f, {"max_new_tokens": max_new_key, **names})
+    return check_params(params, status, prefix, {"max_new_tokens": max_new_key, **names})
 
 
-def check_params(params: SamplingParams, f: Fields, names: dict[str, str]) -> SamplingParams:
+def check_params(params: SamplingParams, status: int, prefix: str,
+                 names: dict[str, str]) -> SamplingParams:  # fmt: skip
     """params.check(), its message naming the request's field (prefixed for nested objects)."""
     try:
         return params.check()
     except ValueError as e:
-        raise ApiError(f.status, f.prefix + rename(str(e), names),
-                       field=f.prefix + field_of(str(e), names)) from None  # fmt: skip
+        raise ApiError(status, prefix + rename(str(e), names),
+                       field=prefix + field_of(str(e), names)) from None  # fmt: skip
 
 
 def rename(message: str, names: dict[str, str]) -> str:

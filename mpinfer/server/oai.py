@@ -8,157 +8,235 @@ lm-evaluation-harness sends) returns every prompt token's log-probability. Chat:
 rendered by the chat template (chat.py); `logprobs` and `top_logprobs`; `max_completion_tokens`
 or `max_tokens`. Both accept vLLM's extensions that load generators send (`ignore_eos`,
 `min_tokens`, `top_k`, `repetition_penalty`, `stream_options.continuous_usage_stats`).
-What is not here: the responses (oairoutes.py), shared parsing rules (api.py).
+The request, response and error bodies are pydantic models here (CompletionRequest,
+ChatRequest, CompletionResponse, OpenAIError): they parse, validate and describe the routes in
+/openapi.json. What is not here: the responses (oairoutes.py), shared parsing rules (api.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field
 
 from ..engine.sampling import MAX_TOP_N
-from .api import ApiError, Fields, Job, Parsed, check_params, check_text, read_json, sampling_params
+from .api import (
+    ApiError,
+    Body,
+    Count,
+    Job,
+    Parsed,
+    SamplingFields,
+    check_params,
+    read_json,
+    sampling_params,
+    validate,
+)
 from .streams import State
 
 STATUS = 400
 MAX_N = 16
-COMMON = {
-    "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
-    "seed", "presence_penalty", "frequency_penalty", "logit_bias", "user", "logprobs",
-    # vLLM's extensions (load generators and evaluation tools send them)
-    "top_k", "repetition_penalty", "typical_p", "ignore_eos", "min_tokens",
-    "skip_special_tokens", "include_stop_str_in_output", "stop_token_ids", "min_p",
-    "allowed_token_ids", "return_token_ids", "prompt_logprobs",
-}  # fmt: skip
-COMPLETION_FIELDS = COMMON | {"prompt", "suffix", "echo", "best_of"}
-CHAT_FIELDS = COMMON | {
-    "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
-    "tool_choice", "parallel_tool_calls", "functions", "function_call", "store", "metadata",
-    "service_tier", "modalities", "prediction", "audio", "reasoning_effort",
-    "add_generation_prompt", "continue_final_message", "echo",
-}  # fmt: skip
 # SamplingParams' names -> OpenAI's, for the messages of the engine's checks.
 NAMES = {"max_new_tokens": "max_tokens", "top_n": "logprobs", "prompt_logprobs": "logprobs"}
+TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
-def common_params(f: Fields, state: State, max_key: str, *, zero_ok: bool):
-    """Checks every field both routes share; the SamplingParams of one choice."""
-    f.get("model", "str")
-    f.get("user", "str")
+class StreamOptions(Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class OpenAIFields(SamplingFields):
+    """What both OpenAI routes accept, vLLM's extensions included (load generators and
+    evaluation tools send them)."""
+
+    model: str | None = None
+    user: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in "
+                                                "[-100, 100]")  # fmt: skip
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, lt=2**31)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_token_ids: TokenIds | None = None
+    allowed_token_ids: TokenIds | None = None
+    min_p: float = Field(0.0, ge=0, le=1)
+    return_token_ids: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_N)
+
+
+class CompletionRequest(OpenAIFields):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: int | None = Field(None, ge=0, le=2**31)
+    suffix: Literal[""] | None = None  # no insertion: only an empty suffix
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_N)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str = ""
+
+
+class Message(Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(OpenAIFields):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_N)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    # OpenAI's fields that this server accepts only as "not used": tools, formats, storage.
+    response_format: dict | None = None
+    tools: list | None = None
+    functions: list | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    function_call: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: dict | None = None
+    service_tier: str | None = None
+    modalities: list[Literal["text"]] | None = None
+    prediction: None = None
+    audio: None = None
+    reasoning_effort: str | None = None
+    echo: Literal[False] | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[dict]
+    usage: Usage | None = None
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class OpenAIError(BaseModel):
+    error: OpenAIErrorDetail
+
+
+def fail(key: str, message: str):
+    raise ApiError(STATUS, f"{key}: {message}", field=key)
+
+
+def common_params(r: OpenAIFields, state: State, max_key: str, max_new: int | None):
+    """Checks what both routes share; the SamplingParams of one choice, and the usage options."""
     vocab = state.engine.loaded.shape.vocab_size
-    stream = f.get("stream", "bool", False)
-    options = f.get("stream_options", "object")
     usage = {"include_usage": False, "continuous_usage_stats": False}
-    if options is not None:
-        if not stream:
-            f.fail("stream_options", "is only allowed with stream: true")
-        o = Fields(options, STATUS, "stream_options.")
-        o.reject_unknown(set(usage))
-        usage = {k: bool(o.get(k, "bool", False)) for k in usage}
-    max_new = f.ranged(max_key, "int", 0 if zero_ok else 1, 2**31)
-    params = sampling_params(f, state.cfg.generation, max_new_key=max_key, max_new=max_new,
-                             sample_default=True, names=NAMES)  # fmt: skip
+    if r.stream_options is not None:
+        if not r.stream:
+            fail("stream_options", "is only allowed with stream: true")
+        usage = r.stream_options.model_dump()
+    params = sampling_params(r, state.cfg.generation, max_new_key=max_key, max_new=max_new,
+                             sample_default=True, names=NAMES, status=STATUS)  # fmt: skip
     params = dataclasses.replace(
-        params, logit_bias=logit_bias(f, vocab),
-        allowed_token_ids=token_ids(f, "allowed_token_ids", vocab),
-        stop_token_ids=token_ids(f, "stop_token_ids", vocab),
-        min_p=f.ranged("min_p", "float", 0.0, 1.0, 0.0),
-        skip_special_tokens=f.get("skip_special_tokens", "bool", True),
-        include_stop_str_in_output=f.get("include_stop_str_in_output", "bool", False),
+        params, logit_bias=logit_bias(r.logit_bias, vocab),
+        allowed_token_ids=token_ids(r.allowed_token_ids, "allowed_token_ids", vocab),
+        stop_token_ids=token_ids(r.stop_token_ids, "stop_token_ids", vocab),
+        min_p=r.min_p, skip_special_tokens=r.skip_special_tokens,
+        include_stop_str_in_output=r.include_stop_str_in_output,
     )  # fmt: skip
-    n = f.ranged("n", "int", 1, MAX_N, 1)
-    return params, stream, usage, n
+    return params, usage
 
 
-def logit_bias(f: Fields, vocab: int) -> tuple[tuple[int, float], ...]:
+def logit_bias(raw: dict | None, vocab: int) -> tuple[tuple[int, float], ...]:
     """OpenAI's map of token id (a string) -> bias in [-100, 100]; the 400 names every bad key."""
-    raw = f.get("logit_bias", "object") or {}
+    raw = raw or {}
     bad = [k for k in raw if not (k.isdigit() and int(k) < vocab)]
     if bad:
-        f.fail("logit_bias", f"keys must be token ids in [0, {vocab}): {', '.join(map(repr, bad))}")
-    out = []
+        fail("logit_bias", f"keys must be token ids in [0, {vocab}): {', '.join(map(repr, bad))}")
     for k, v in raw.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
-            f.fail(
-                "logit_bias", f"the bias of token {k} must be a number in [-100, 100], got {v!r}"
-            )
-        out.append((int(k), float(v)))
-    return tuple(out)
+        if not -100 <= v <= 100:
+            fail("logit_bias", f"the bias of token {k} must be a number in [-100, 100], got {v!r}")
+    return tuple((int(k), float(v)) for k, v in raw.items())
 
 
-def token_ids(f: Fields, key: str, vocab: int) -> tuple[int, ...]:
-    ids = f.get(key, "list") or []
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+def token_ids(ids: list[int] | None, key: str, vocab: int) -> tuple[int, ...]:
+    bad = [t for t in ids or () if t >= vocab]
     if bad:
-        f.fail(key, f"token ids must be integers in [0, {vocab}): {bad[:5]}")
-    return tuple(ids)
+        fail(key, f"token ids must be integers in [0, {vocab}): {bad[:5]}")
+    return tuple(ids or ())
 
 
 def parse_completions(body: bytes, state: State) -> Parsed:
     data = read_json(body, STATUS)
-    f = Fields(data, STATUS)
-    f.reject_unknown(COMPLETION_FIELDS)
-    prompts = prompt_list(data.get("prompt"), f)
-    f.reject_set("suffix", "is not supported", (None, ""))
-    echo = bool(f.get("echo", "bool", False))
-    logprobs = f.ranged("logprobs", "int", 0, MAX_TOP_N)
-    params, stream, usage, n = common_params(f, state, "max_tokens", zero_ok=True)
-    best_of = f.ranged("best_of", "int", 1, MAX_N, n)
+    check_prompt(data.get("prompt"), data.get("n"))
+    r = validate(CompletionRequest, data, STATUS)
+    prompts = r.prompt if isinstance(r.prompt, list) and r.prompt and not isinstance(
+        r.prompt[0], int) else [r.prompt]  # fmt: skip
+    logprobs = r.logprobs
+    params, usage = common_params(r, state, "max_tokens", r.max_tokens)
+    n = r.n
+    best_of = n if r.best_of is None else r.best_of
     if best_of < n:
-        f.fail("best_of", f"must be >= n ({n}), got {best_of}")
-    if best_of > n and stream:
-        f.fail("best_of", "best_of > n cannot be streamed")
-    if stream and echo and logprobs is not None:
-        f.fail("echo", "echo with logprobs cannot be streamed (the prompt's come with the answer)")
-    extra = vllm_options(f, stream)
-    k = (logprobs or 0) if echo and logprobs is not None else -1
+        fail("best_of", f"must be >= n ({n}), got {best_of}")
+    if best_of > n and r.stream:
+        fail("best_of", "best_of > n cannot be streamed")
+    if r.stream and r.echo and logprobs is not None:
+        fail("echo", "echo with logprobs cannot be streamed (the prompt's come with the answer)")
+    extra = vllm_options(r)
+    k = (logprobs or 0) if r.echo and logprobs is not None else -1
     if extra["prompt_logprobs"] is not None:
         k = max(k, extra["prompt_logprobs"])
     if params.max_new_tokens == 0 and k < 0:
-        f.fail("max_tokens", "0 generates nothing: it needs echo with logprobs (prompt scoring)")
+        fail("max_tokens", "0 generates nothing: it needs echo with logprobs (prompt scoring)")
     params = dataclasses.replace(params, top_n=logprobs or 0, prompt_logprobs=k)
-    check_params(params, f, NAMES)
+    check_params(params, STATUS, "", NAMES)
     jobs = tuple(Job(p, nth_seed(params, j)) for p in prompts for j in range(best_of))
-    return Parsed(jobs, stream=stream, options={
-        "n": n, "best_of": best_of, "echo": echo, "logprobs": logprobs, "usage": usage,
+    return Parsed(jobs, stream=r.stream, options={
+        "n": n, "best_of": best_of, "echo": r.echo, "logprobs": logprobs, "usage": usage,
         "prompts": prompts, **extra,
     })  # fmt: skip
 
 
-def vllm_options(f: Fields, stream: bool) -> dict:
+def vllm_options(r: OpenAIFields) -> dict:
     """vLLM's response extensions: return_token_ids, prompt_logprobs (not streamed here)."""
-    plp = f.ranged("prompt_logprobs", "int", 0, MAX_TOP_N)
-    if plp is not None and stream:
-        f.fail("prompt_logprobs", "is returned with the whole answer only: not with stream")
-    return {
-        "return_token_ids": bool(f.get("return_token_ids", "bool", False)),
-        "prompt_logprobs": plp,
-    }
+    if r.prompt_logprobs is not None and r.stream:
+        fail("prompt_logprobs", "is returned with the whole answer only: not with stream")
+    return {"return_token_ids": r.return_token_ids, "prompt_logprobs": r.prompt_logprobs}
 
 
-def prompt_list(value, f: Fields) -> list[str | list[int]]:
-    """OpenAI's four prompt forms as a list of prompts (each a string or token ids)."""
+def check_prompt(value, n) -> None:
+    """OpenAI's four prompt forms, with a message that says which (before the model, whose
+    union errors would list every form): non-empty, and at most 4 x MAX_N choices."""
     expected = "expected a string, a list of strings, a list of token ids or a list of lists"
-    if (
-        isinstance(value, str)
-        or isinstance(value, list)
-        and value
-        and all(is_int(t) for t in value)
-    ):
+    if isinstance(value, str) or isinstance(value, list) and value and all(map(is_int, value)):
         value = [value]
     if not isinstance(value, list) or not value:
-        f.fail("prompt", f"{expected} (non-empty)")
-    out = []
+        fail("prompt", f"{expected} (non-empty)")
     for i, p in enumerate(value):
-        if isinstance(p, str):
-            check_text(p, f"prompt[{i}]", STATUS)
-        elif not (isinstance(p, list) and all(is_int(t) for t in p)):
-            f.fail("prompt", f"{expected}; item {i} is neither")
+        if not (isinstance(p, str) or isinstance(p, list) and all(map(is_int, p))):
+            fail("prompt", f"{expected}; item {i} is neither")
         if not p:
-            f.fail("prompt", f"item {i} is empty")
-        out.append(p)
-    if len(out) * (f.data.get("n") if is_int(f.data.get("n")) else 1) > 4 * MAX_N:
-        f.fail("prompt", f"at most {4 * MAX_N} choices a request (prompts x n)")
-    return out
+            fail("prompt", f"item {i} is empty")
+    if len(value) * (n if is_int(n) else 1) > 4 * MAX_N:
+        fail("prompt", f"at most {4 * MAX_N} choices a request (prompts x n)")
 
 
 def is_int(x) -> bool:
@@ -173,83 +251,48 @@ def nth_seed(params, j: int):
 
 def parse_chat(body: bytes, state: State) -> Parsed:
     data = read_json(body, STATUS)
-    f = Fields(data, STATUS)
-    f.reject_unknown(CHAT_FIELDS)
-    messages = message_list(data.get("messages"), f)
+    r = validate(ChatRequest, data, STATUS)
+    messages = message_list(r.messages)
     for key in ("tools", "functions"):
-        if f.get(key, "list"):
-            f.fail(key, "tool calls are not supported")
-    f.reject_set("tool_choice", "tool calls are not supported", (None, "none", "auto"))
-    f.reject_set("function_call", "function calls are not supported", (None, "none", "auto"))
-    f.get("parallel_tool_calls", "bool")
-    fmt = f.get("response_format", "object")
-    if fmt is not None and fmt.get("type") != "text":
-        f.fail("response_format", "only {'type': 'text'} is supported")
-    add_prompt = f.get("add_generation_prompt", "bool", True)
-    continue_final = f.get("continue_final_message", "bool", False)
-    if continue_final and data.get("add_generation_prompt") is True:
-        f.fail("continue_final_message", "cannot be combined with add_generation_prompt: true")
-    if continue_final and messages[-1]["role"] != "assistant":
-        f.fail("continue_final_message", "needs an assistant message last, to continue")
-    f.reject_set("echo", "is not supported for chat", (None, False))
-    f.reject_set("modalities", "only text is supported", (None, ["text"]))
-    for key in ("prediction", "audio"):
-        f.reject_set(key, "is not supported")
-    for key in ("store", "metadata", "service_tier", "reasoning_effort"):
-        f.get(key, {"store": "bool", "metadata": "object"}.get(key, "str"))
-    key = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
-    logprobs = bool(f.get("logprobs", "bool", False))
-    top = f.ranged("top_logprobs", "int", 0, MAX_TOP_N)
-    if top is not None and not logprobs:
-        f.fail("top_logprobs", "needs logprobs: true")
-    params, stream, usage, n = common_params(f, state, key, zero_ok=False)
-    extra = vllm_options(f, stream)
+        if getattr(r, key):
+            fail(key, "tool calls are not supported")
+    if r.response_format is not None and r.response_format.get("type") != "text":
+        fail("response_format", "only {'type': 'text'} is supported")
+    add_prompt = True if r.add_generation_prompt is None else r.add_generation_prompt
+    if r.continue_final_message and r.add_generation_prompt is True:
+        fail("continue_final_message", "cannot be combined with add_generation_prompt: true")
+    if r.continue_final_message and messages[-1]["role"] != "assistant":
+        fail("continue_final_message", "needs an assistant message last, to continue")
+    key = "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens"
+    if r.top_logprobs is not None and not r.logprobs:
+        fail("top_logprobs", "needs logprobs: true")
+    params, usage = common_params(r, state, key, getattr(r, key))
+    extra = vllm_options(r)
     plp = -1 if extra["prompt_logprobs"] is None else extra["prompt_logprobs"]
-    params = dataclasses.replace(params, top_n=top or 0, prompt_logprobs=plp)
+    params = dataclasses.replace(params, top_n=r.top_logprobs or 0, prompt_logprobs=plp)
     try:
         prompt = state.chat.render(messages, add_generation_prompt=add_prompt,
-                                   continue_final_message=continue_final)  # fmt: skip
+                                   continue_final_message=r.continue_final_message)  # fmt: skip
     except Exception as e:  # a template's own raise_exception, or any Jinja fault
         raise ApiError(STATUS, f"messages: the chat template refused them: {e}",
                        field="messages") from None  # fmt: skip
-    jobs = tuple(Job(prompt, nth_seed(params, j)) for j in range(n))
-    return Parsed(jobs, stream=stream, options={"n": n, "logprobs": logprobs, "usage": usage,
-                                                "max_key": key, **extra})  # fmt: skip
+    jobs = tuple(Job(prompt, nth_seed(params, j)) for j in range(r.n))
+    return Parsed(jobs, stream=r.stream, options={"n": r.n, "logprobs": r.logprobs,
+                                                  "usage": usage, "max_key": key,
+                                                  **extra})  # fmt: skip
 
 
-ROLES = ("system", "developer", "user", "assistant")
-
-
-def message_list(value, f: Fields) -> list[dict]:
-    """`messages` as [{"role", "content": str}], text parts joined; errors name the item."""
-    if not isinstance(value, list) or not value:
-        f.fail("messages", "expected a non-empty list of {role, content} objects")
+def message_list(messages: list[Message]) -> list[dict]:
+    """Validated messages as [{"role", "content": str}]: text parts joined, an assistant's
+    missing content empty, "developer" as "system"."""
     out = []
-    for i, m in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            f.fail(where, "expected an object with role and content")
-        g = Fields(m, STATUS, where + ".")
-        g.reject_unknown({"role", "content", "name"})
-        role = g.get("role", "str")
-        if role not in ROLES:
-            g.fail("role", f"must be one of {', '.join(ROLES)}, got {role!r}")
-        g.get("name", "str")
-        content = m.get("content")
+    for i, m in enumerate(messages):
+        content = m.content
         if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                p = Fields(part if isinstance(part, dict) else {}, STATUS,
-                           f"{where}.content[{j}].")  # fmt: skip
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    p.fail("type", "only text parts are supported")
-                p.reject_unknown({"type", "text"})
-                texts.append(p.get("text", "str", ""))
-            content = "".join(texts)
-        elif content is None and role == "assistant":
+            content = "".join(part.text for part in content)
+        elif content is None:
+            if m.role != "assistant":
+                fail(f"messages[{i}].content", "expected a string or a list of text parts")
             content = ""
-        elif not isinstance(content, str):
-            g.fail("content", "expected a string or a list of text parts")
-        check_text(content, where + ".content", STATUS)
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
     return out

@@ -14,18 +14,20 @@ never a crashed server. What is not here: request parsing (api.py, oai.py), the 
 from __future__ import annotations
 
 import logging
+from typing import Annotated
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
 from .. import __version__
 from . import oairoutes, tgi
-from .api import ApiError, Fields, openai_error, read_json, tgi_error
+from .api import ApiError, Body, openai_error, read_json, tgi_error, validate
 from .guard import BodyTooLarge, Guard
-from .oai import message_list
-from .schema import describe
+from .oai import Message, OpenAIError, fail, message_list
+from .openapi import describe
 from .streams import State
 
 log = logging.getLogger("mpinfer")
@@ -73,7 +75,8 @@ def build_app(state: State) -> FastAPI:
         vocab = state.engine.loaded.shape.vocab_size if state.engine else None
         if app.openapi_schema is None or (vocab and not app.openapi_schema.get("x-loaded")):
             app.openapi_schema = None  # FastAPI caches it: rebuild once the model is in
-            app.openapi_schema = describe(FastAPI.openapi(app), max_seq_len=cfg.max_seq_len,
+            app.openapi_schema = describe(FastAPI.openapi(app), TOKENIZER_BODIES,
+                                          max_seq_len=cfg.max_seq_len,
                                           vocab_size=vocab)  # fmt: skip
             app.openapi_schema["x-loaded"] = bool(vocab)
         return app.openapi_schema
@@ -115,33 +118,29 @@ def build_app(state: State) -> FastAPI:
                 "eos_token_id": shape.eos_token_id, "model_max_length": cfg.max_seq_len,
                 "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
 
-    async def tokenizer_request(request: Request, fields: set[str]) -> Fields:
+    def tokenizer_request(model, body: bytes):
         """The body of a tokenizer route, once the tokenizer is loaded (a 503 before)."""
         if state.tokenizer is None:
             raise ApiError(503, "the model is loading", kind="unavailable")
-        f = Fields(read_json(await request.body(), 400), 400)
-        f.reject_unknown(fields)
-        return f
+        return validate(model, read_json(body, 400), 400)
 
     @app.post("/tokenize", openapi_extra={"x-mpinfer-body": "TokenizeRequest"})
     async def tokenize(request: Request):
         try:
-            f = await tokenizer_request(request, {
-                "prompt", "model", "add_special_tokens", "messages", "add_generation_prompt",
-                "continue_final_message", "return_token_strs"})  # fmt: skip
-            if f.data.get("messages") is not None:  # vLLM's chat form: the rendered prompt's
-                if f.data.get("prompt") is not None:
-                    f.fail("messages", "give prompt or messages, not both")
-                text = state.chat.render(message_list(f.data["messages"], f),
-                                         add_generation_prompt=f.get("add_generation_prompt",
-                                                                     "bool", True),
-                                         continue_final_message=f.get("continue_final_message",
-                                                                      "bool", False))  # fmt: skip
+            r = tokenizer_request(TokenizeRequest, await request.body())
+            if r.messages is not None:  # vLLM's chat form: the rendered prompt's tokens
+                if r.prompt is not None:
+                    fail("messages", "give prompt or messages, not both")
+                text = state.chat.render(
+                    message_list(r.messages),
+                    add_generation_prompt=r.add_generation_prompt,
+                    continue_final_message=r.continue_final_message,
+                )
             else:
-                text = f.get("prompt", "str", "")
+                text = r.prompt or ""
             ids = state.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
             out = {"tokens": ids, "count": len(ids), "max_model_len": cfg.max_seq_len}
-            if f.get("return_token_strs", "bool", False):
+            if r.return_token_strs:
                 out["token_strs"] = [state.tokenizer.decode([i], skip_special_tokens=False)
                                      for i in ids]  # fmt: skip
             return out
@@ -151,13 +150,11 @@ def build_app(state: State) -> FastAPI:
     @app.post("/detokenize", openapi_extra={"x-mpinfer-body": "DetokenizeRequest"})
     async def detokenize(request: Request):
         try:
-            f = await tokenizer_request(request, {"tokens", "model"})
-            ids = f.get("tokens", "list", [])
+            r = tokenizer_request(DetokenizeRequest, await request.body())
             vocab = state.engine.loaded.shape.vocab_size
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                       for t in ids):  # fmt: skip
-                f.fail("tokens", f"expected token ids in [0, {vocab})")
-            return {"prompt": state.tokenizer.decode(ids)}
+            if any(t >= vocab for t in r.tokens):
+                fail("tokens", f"expected token ids in [0, {vocab})")
+            return {"prompt": state.tokenizer.decode(r.tokens)}
         except ApiError as e:
             return error_response(request, e, state)
 
@@ -167,6 +164,40 @@ def build_app(state: State) -> FastAPI:
 
     state.paths = set(route_paths(app.routes))
     return app
+
+
+class TokenizeRequest(Body):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
+
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    model: str | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(Body):
+    tokens: list[Annotated[int, Field(ge=0)]] = []
+    model: str | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+TOKENIZER_BODIES = {
+    "TokenizeRequest": (TokenizeRequest, TokenizeResponse, OpenAIError),
+    "DetokenizeRequest": (DetokenizeRequest, DetokenizeResponse, OpenAIError),
+}
 
 
 def route_paths(routes):

@@ -7,66 +7,107 @@ repetition_penalty, frequency_penalty, stop, seed, truncate, details, return_ful
 decoder_input_details (every prompt token's log-probability, and `top_n_tokens` alternatives),
 top_n_tokens (alternatives of every generated token), best_of (several sampled sequences, the
 one with the highest log-probability returned, the others in details.best_of_sequences).
-What is not here: the HTTP app (routes.py), shared parsing (api.py).
+The request, response and error bodies are pydantic models here (TgiRequest, TgiResponse,
+TgiError): they parse, validate and describe the routes in /openapi.json. What is not here: the
+HTTP app (routes.py), shared parsing (api.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
 
 from ..engine.sampling import MAX_TOP_N
-from .api import ApiError, Fields, Job, Parsed, check_params, read_json, sampling_params, tgi_error
+from .api import (
+    ApiError,
+    Body,
+    Count,
+    Job,
+    Parsed,
+    SamplingFields,
+    check_params,
+    read_json,
+    sampling_params,
+    tgi_error,
+    validate,
+)
 from .streams import State, Submission
 
 STATUS = 422
 FINISH = {"eos": "eos_token", "length": "length", "stop": "stop_sequence", "cancelled": "length"}
-PARAMETERS = {
-    "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "typical_p",
-    "repetition_penalty", "frequency_penalty", "stop", "seed", "details", "return_full_text",
-    "truncate", "decoder_input_details", "best_of", "watermark", "top_n_tokens", "grammar",
-    "adapter_id",
-}  # fmt: skip
 MAX_BEST_OF = 8
+
+
+class TgiParameters(SamplingFields):
+    max_new_tokens: Count | None = None
+    do_sample: bool | None = None
+    details: bool = False
+    return_full_text: bool = False
+    decoder_input_details: bool = False  # every prompt token's log-probability
+    truncate: Count | None = None  # keep only the prompt's last tokens
+    top_n_tokens: int = Field(0, ge=0, le=MAX_TOP_N)
+    best_of: int = Field(1, ge=1, le=MAX_BEST_OF)
+    watermark: Literal[False] = False  # accepted for TGI's clients, which send false
+    grammar: None = Field(None, description="not supported")
+    adapter_id: None = Field(None, description="not supported")
+
+
+class TgiRequest(Body):
+    inputs: str = Field(min_length=1)
+    parameters: TgiParameters = TgiParameters()
+    stream: bool = False
+
+
+class TgiToken(BaseModel):
+    id: int
+    text: str
+    logprob: float | None
+    special: bool
+
+
+class TgiResponse(BaseModel):
+    generated_text: str
+    details: dict | None = Field(None, description="finish_reason, generated_tokens, seed, "
+                                 "prefill, tokens, top_tokens, best_of_sequences")  # fmt: skip
+
+
+class TgiError(BaseModel):
+    error: str
+    error_type: str
+    field: str = ""
 
 
 def parse_tgi(body: bytes, state: State, *, stream: bool | None) -> Parsed:
     data = read_json(body, STATUS)
-    top = Fields(data, STATUS)
-    top.reject_unknown({"inputs", "parameters", "stream"})
-    prompt = top.get("inputs", "str")
-    if not prompt:
-        top.fail("inputs", "must be a non-empty string")
-    asked_stream = top.get("stream", "bool", False)  # checked on every route
-    raw = top.get("parameters", "object", {})
-    f = Fields(raw, STATUS, "parameters.")
-    f.reject_unknown(PARAMETERS)
-    f.reject_set("watermark", "is not supported", (None, False))
-    for key in ("grammar", "adapter_id"):
-        f.reject_set(key, "is not supported")
-    truncate = f.ranged("truncate", "int", 1, 2**31)
-    top_n = f.ranged("top_n_tokens", "int", 0, MAX_TOP_N, 0)
-    best_of = f.ranged("best_of", "int", 1, MAX_BEST_OF, 1)
-    options = {key: bool(f.get(key, "bool", False)) for key in
-               ("details", "return_full_text", "decoder_input_details")}  # fmt: skip
+    r = validate(TgiRequest, data, STATUS)
+    f = r.parameters
+    options = {"details": f.details, "return_full_text": f.return_full_text,
+               "decoder_input_details": f.decoder_input_details}  # fmt: skip
     params = sampling_params(f, state.cfg.generation, max_new_key="max_new_tokens",
-                             max_new=f.ranged("max_new_tokens", "int", 1, 2**31),
-                             sample_default=False, names={})  # fmt: skip
-    params = dataclasses.replace(
-        params, top_n=top_n, prompt_logprobs=top_n if options["decoder_input_details"] else -1
-    )
-    check_params(params, f, {"top_n": "top_n_tokens"})
-    stream = asked_stream if stream is None else stream
-    if best_of > 1:
+                             max_new=f.max_new_tokens, sample_default=False, names={},
+                             status=STATUS, prefix="parameters.")  # fmt: skip
+    params = dataclasses.replace(params, top_n=f.top_n_tokens,
+                                 prompt_logprobs=f.top_n_tokens if f.decoder_input_details
+                                 else -1)  # fmt: skip
+    check_params(params, STATUS, "parameters.", {"top_n": "top_n_tokens"})
+    stream = r.stream if stream is None else stream
+    if f.best_of > 1:
         if params.greedy:
-            f.fail("best_of", "best_of > 1 needs sampling (do_sample or a temperature)")
+            fail("best_of", "best_of > 1 needs sampling (do_sample or a temperature)")
         if stream:
-            f.fail("best_of", "best_of > 1 cannot be streamed")
-    jobs = tuple(Job(prompt, _nth_seed(params, i), truncate) for i in range(best_of))
-    return Parsed(jobs, stream=stream, options={**options, "prompt": prompt, "top_n": top_n})
+            fail("best_of", "best_of > 1 cannot be streamed")
+    jobs = tuple(Job(r.inputs, _nth_seed(params, i), f.truncate) for i in range(f.best_of))
+    return Parsed(jobs, stream=stream, options={**options, "prompt": r.inputs,
+                                                "top_n": f.top_n_tokens})  # fmt: skip
+
+
+def fail(key: str, message: str):
+    raise ApiError(STATUS, f"parameters.{key}: {message}", field=f"parameters.{key}")
 
 
 def _nth_seed(params, i: int):

@@ -98,7 +98,9 @@ def run_serve(a) -> dict:
     server = ServerProcess(2, str(path), "server.max_batch_slots=32", "server.max_seq_len=256")
     rows = []
     try:
-        for clients in (1, 8, 32):
+        rows.append(parse_phase(server.url, a.seconds))
+        print(json.dumps(rows[-1]), flush=True)
+        for clients in () if a.parse_only else (1, 8, 32):
             lat, ttft, errors = [], [], 0
             stop_at = time.time() + a.seconds
 
@@ -144,6 +146,43 @@ def run_serve(a) -> dict:
     return {"rows": rows, "model": "mid (8x512, 29M params)", "tp": 2, "max_new_tokens": 16}
 
 
+PARSE_BODY = {"inputs": "the river", "parameters": {
+    "max_new_tokens": 1, "do_sample": True, "temperature": 0.9, "top_k": 40, "top_p": 0.95,
+    "typical_p": 0.99, "repetition_penalty": 1.1, "frequency_penalty": 0.1, "seed": 7,
+    "stop": ["\n\n", "###"], "details": True, "return_full_text": False, "truncate": 200,
+    "top_n_tokens": 2, "decoder_input_details": False}}  # fmt: skip
+
+
+def parse_phase(url: str, seconds: float, clients: int = 8) -> dict:
+    """Requests per second of /generate for one token with every TGI parameter set: the HTTP
+    layer's cost (reading, validating, answering) more than the model's."""
+    done, errors, lat = [0], [0], []
+    stop_at = time.time() + seconds
+
+    def client():
+        with httpx.Client(timeout=60) as c:
+            while time.time() < stop_at:
+                t0 = time.perf_counter()
+                r = c.post(url + "/generate", json=PARSE_BODY)
+                lat.append(time.perf_counter() - t0)
+                done[0] += 1
+                errors[0] += r.status_code != 200
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    lat.sort()
+    p = lat[len(lat) // 2] * 1e3 if lat else float("nan")
+    q = lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1e3 if lat else float("nan")
+    return {"clients": f"{clients} x /generate, 1 token, every parameter", "requests": done[0],
+            "errors": errors[0], "req_s": done[0] / wall, "p50_ms": p, "p99_ms": q,
+            "ttft_p50_ms": p, "ttft_p99_ms": q}  # fmt: skip
+
+
 def serve_table(result: dict) -> str:
     header = ["clients", "requests", "errors", "requests/s", "p50 ms", "p99 ms", "TTFT p50 ms",
               "TTFT p99 ms"]  # fmt: skip
@@ -162,6 +201,8 @@ def main(argv: list[str]) -> int:
                    "serve-gpu-<gpu>.json with --gpu)")  # fmt: skip
     p.add_argument("--seconds", type=float, default=15, help="serve (CPU): seconds per phase")
     p.add_argument("--gpu", action="store_true", help="serve: the served speed on this GPU")
+    p.add_argument("--parse-only", action="store_true",
+                   help="serve (CPU): only the request-parsing row")  # fmt: skip
     p.add_argument("--shape", default="bloom-7b1", choices=list(SHAPES), help="with --gpu")
     p.add_argument("--profile", action="store_true", help="with --gpu: py-spy the serving rank")
     p.add_argument(
