@@ -30,9 +30,11 @@ from .model.memory import (
     COMMON_GPUS,
     GIB,
     plan_memory,
+    plan_offload,
     plan_table,
     suggest,
     tp_sizes_for,
+    with_offload,
 )
 from .startup.launcher import Topology, add_launch_args, launch
 from .startup.runtime import default_params, load_tokenizer, run_rank, start
@@ -286,6 +288,9 @@ def plan_main(argv: list[str]) -> int:
     p.add_argument("--gpu-mem", help="memory per GPU, e.g. 24GiB (default: model.memory_budget)")
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: parallel.tp_size)")
     p.add_argument("--arch", help="the model's config.json (default: model.path's, or model.arch)")
+    p.add_argument("--host-gbps", type=float, default=25.0,
+                   help="host-to-GPU copy speed for the offload estimate (default 25: PCIe 4 "
+                   "x16; an H200 measured 55)")  # fmt: skip
     p.add_argument(
         "--request",
         default="512+256",
@@ -323,9 +328,16 @@ def plan_main(argv: list[str]) -> int:
     if budget is None:
         return print_plan_table(shape, cfg, tp, request)
     tp = tp or 1
-    plan = plan_memory(shape, cfg, tp_size=tp, budget=budget)
+    try:
+        off = plan_offload(shape, cfg, tp_size=tp, budget=budget)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    plan = with_offload(plan_memory(shape, cfg, tp_size=tp, budget=budget), off)
     print(f"tp={tp}")
     print("\n".join(plan.lines(request)))
+    if off is not None:
+        print("\n".join(off.lines(shape.n_layer, a.host_gbps)))
     if not plan.fits:
         print(f"does not fit: needs {plan.one_slot / GIB:.2f} GiB per GPU, has {budget / GIB:.2f}; "
               f"{suggest(shape, cfg, tp_size=tp, budget=budget)}")  # fmt: skip

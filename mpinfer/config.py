@@ -40,6 +40,12 @@ class ModelConfig:
     memory_budget: str = ""
     # With a Hub model id as path: the branch, tag or commit to use ("" = main).
     revision: str = ""
+    # Blocks whose weights stay in host memory, copied in as each runs (model/offload.py): 0 =
+    # none (a model over the budget is refused); -1 = as many as the budget needs; N = N.
+    # Not yet measured on a GPU: off by default.
+    offload_blocks: int = 0
+    # Offloaded blocks on the GPU at once (copies in flight ahead of the compute).
+    offload_depth: int = 2
 
 
 @dataclass(frozen=True)
@@ -139,6 +145,14 @@ class RunConfig:
             raise ValueError(f"model.dtype={self.model.dtype!r}: expected one of {DTYPES}")
         if self.model.memory_budget:
             parse_bytes(self.model.memory_budget, "model.memory_budget")
+        if self.model.offload_blocks < -1:
+            raise ValueError(f"model.offload_blocks={self.model.offload_blocks} must be >= -1 "
+                             "(-1: as many as the budget needs)")  # fmt: skip
+        if self.model.offload_depth < 1:
+            raise ValueError(f"model.offload_depth={self.model.offload_depth} must be >= 1")
+        if self.model.offload_blocks and self.quant.method == "llm.int8":
+            raise ValueError("model.offload_blocks: bitsandbytes layers (quant.method=llm.int8) "
+                             "cannot be offloaded; use int8 or none")  # fmt: skip
         if self.quant.method not in QUANT_METHODS:
             raise ValueError(f"quant.method={self.quant.method!r}: expected one of {QUANT_METHODS}")
         if self.quant.embeddings not in ("none", "int8"):

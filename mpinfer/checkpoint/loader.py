@@ -30,7 +30,8 @@ from ..config import RunConfig
 from ..dist import DistContext, broadcast_object, gather_objects
 from ..model.bloom import DTYPES, BloomModel, BloomShape, LoadedModel
 from ..model.layers import TPGroup
-from ..model.memory import check_fits
+from ..model.memory import OffloadPlan, check_fits
+from ..model.offload import Offload
 from ..model.quant import make_linear_method
 from ..model.sharding import ShardSpec, rank_entries, shard_tensor, specs_for
 from . import sharded
@@ -75,8 +76,31 @@ def assign_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
 
 
-def finish_model(model: BloomModel, device: torch.device) -> None:
-    """Check nothing is left on meta, then run the per-layer and per-model hooks."""
+def offload_of(plan) -> OffloadPlan | None:
+    return plan.offload if plan is not None else None
+
+
+def placement(off: OffloadPlan | None, device: torch.device):
+    """Where each loaded tensor goes: an offloaded block's to (pinned) host memory, straight
+    from the slice it came in (host RAM peaks at the offloaded bytes plus one slice), the rest
+    to the device."""
+    blocks = set(off.offloaded) if off is not None else set()
+
+    def place(name: str, t: torch.Tensor) -> torch.Tensor:
+        if blocks and name.startswith("h.") and int(name.split(".")[1]) in blocks:
+            if device.type != "cuda":
+                return t.to("cpu")
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t)
+            return host
+        return t.to(device)
+
+    return place
+
+
+def finish_model(model: BloomModel, device: torch.device, off: OffloadPlan | None = None) -> None:
+    """Check nothing is left on meta, run the per-layer and per-model hooks, and set up the
+    offloaded blocks' ring (`off`)."""
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise RuntimeError(f"{len(left)} parameters were never loaded, e.g. {left[:3]}")
@@ -85,6 +109,15 @@ def finish_model(model: BloomModel, device: torch.device) -> None:
         if method is not None:
             method.after_load(module)
     model.after_load(device)
+    if off is not None:
+        model.offload = Offload(model.h, list(off.offloaded), off.depth, device)
+        log.info(
+            "%d of %d blocks in host memory (%.2f GiB), %d in flight on the device",
+            len(off.offloaded),
+            len(model.h),
+            off.host_bytes / 2**30,
+            model.offload.depth,
+        )
 
 
 def agree_on_model(cfg: RunConfig, ctx: DistContext) -> tuple[BloomShape, int, HFCheckpoint | None]:
@@ -130,7 +163,7 @@ def _broadcast(t: torch.Tensor | None, shape, dtype, ctx: DistContext) -> torch.
 
 
 def _stream_rank0(
-    model, specs: list[ShardSpec], ckpt: HFCheckpoint, tp_size, dtype, ctx: DistContext
+    model, specs: list[ShardSpec], ckpt: HFCheckpoint, tp_size, dtype, ctx: DistContext, place
 ) -> None:
     total = sum(torch.Size(p.shape).numel() for p in specs)
     bar = tqdm(total=total, unit="param", unit_scale=True, desc="loading", mininterval=1.0)
@@ -139,7 +172,7 @@ def _stream_rank0(
         if spec.split == "replicate":
             tensors = shard_tensor(spec, ckpt.read(spec.name), tp_size, dtype)
             for name, t in tensors.items():
-                assign_tensor(model, name, _broadcast(t, t.shape, t.dtype, ctx).to(ctx.device))
+                assign_tensor(model, name, place(name, _broadcast(t, t.shape, t.dtype, ctx)))
         else:
             for r in range(tp_size):
                 rng = spec.rank_range(r, tp_size)
@@ -155,7 +188,7 @@ def _stream_rank0(
                 pending = []
                 if r == 0:
                     for name, t in tensors.items():
-                        assign_tensor(model, name, t.to(ctx.device))
+                        assign_tensor(model, name, place(name, t))
                 else:
                     pending = [_send(t, r, ctx) for t in tensors.values()]
                     held = tensors  # keep the buffers alive until their sends complete
@@ -166,7 +199,8 @@ def _stream_rank0(
     bar.close()
 
 
-def _stream_other(model, specs: list[ShardSpec], tp_size, dtype, ctx: DistContext) -> None:
+def _stream_other(model, specs: list[ShardSpec], tp_size, dtype, ctx: DistContext,
+                  place) -> None:  # fmt: skip
     for spec in specs:
         for name, _, _ in rank_entries(spec, tp_size, dtype):
             meta = model.get_parameter(name)
@@ -174,7 +208,7 @@ def _stream_other(model, specs: list[ShardSpec], tp_size, dtype, ctx: DistContex
                 t = _broadcast(None, meta.shape, meta.dtype, ctx)
             else:
                 t = _recv(meta.shape, meta.dtype, ctx)
-            assign_tensor(model, name, t.to(ctx.device))
+            assign_tensor(model, name, place(name, t))
 
 
 def load_model(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
@@ -191,7 +225,8 @@ def load_model(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
 
 def _load_from_hf(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
     shape, tp_size, ckpt = agree_on_model(cfg, ctx)
-    check_fits(shape, cfg, tp_size=tp_size, device=ctx.device)
+    off = offload_of(check_fits(shape, cfg, tp_size=tp_size, device=ctx.device))
+    place = placement(off, ctx.device)
     dtype = resolve_dtype(cfg.model.dtype, ctx.device)
     tp = TPGroup(ctx.rank, tp_size, ctx.compute_group if tp_size > 1 else None)
     model = build_meta_model(shape, tp, cfg, dtype)
@@ -205,10 +240,10 @@ def _load_from_hf(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
             cfg.quant.method,
             str(dtype)[6:],
         )
-        _stream_rank0(model, specs, ckpt, tp_size, dtype, ctx)
+        _stream_rank0(model, specs, ckpt, tp_size, dtype, ctx, place)
     else:
-        _stream_other(model, specs, tp_size, dtype, ctx)
-    finish_model(model, ctx.device)
+        _stream_other(model, specs, tp_size, dtype, ctx, place)
+    finish_model(model, ctx.device, off)
     return LoadedModel(model, shape, tp, dtype, ctx.device, cfg.model.path)
 
 
@@ -225,21 +260,23 @@ def _load_sharded(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
         raise ValueError("; ".join(errors))
     tp_size = manifest["tp_size"]
     shape = BloomShape.from_config(manifest["model_config"])
-    check_fits(shape, cfg, tp_size=tp_size, device=ctx.device)
+    off = offload_of(check_fits(shape, cfg, tp_size=tp_size, device=ctx.device))
+    place = placement(off, ctx.device)
     dtype = resolve_dtype(cfg.model.dtype, ctx.device)
     tp = TPGroup(ctx.rank, tp_size, ctx.compute_group if tp_size > 1 else None)
     model = build_meta_model(shape, tp, cfg, dtype)
     path = out / sharded.rank_file(ctx.rank, tp_size)
     if ctx.is_rank0:
         log.info("loading sharded %s (tp=%d, %s)", out, tp_size, manifest["quant"]["method"])
-    device = str(ctx.device) if ctx.device.type == "cuda" else "cpu"
+    # Offloaded blocks' tensors are read to host memory and stay there.
+    device = str(ctx.device) if ctx.device.type == "cuda" and off is None else "cpu"
     with safe_open(str(path), framework="pt", device=device) as f:
         for name in f.keys():
             t = f.get_tensor(name)
             if t.dtype != torch.int8 and not name.endswith("_scale"):
                 t = t.to(dtype)
-            assign_tensor(model, name, t.to(ctx.device))
-    finish_model(model, ctx.device)
+            assign_tensor(model, name, place(name, t))
+    finish_model(model, ctx.device, off)
     return LoadedModel(model, shape, tp, dtype, ctx.device, str(out))
 
 

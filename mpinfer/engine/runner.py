@@ -240,10 +240,12 @@ class ModelRunner:
         # Each slot's next decode input: the token its request sampled last.
         self.next_tokens = torch.zeros(slots, dtype=torch.long, device=self.device)
         methods = [getattr(m, "method", None) for m in self.model.modules()]
+        # Offloaded blocks run eagerly: their copies are issued by the host as each step runs.
         self.use_graphs = (
             cuda_graphs
             and self.device.type == "cuda"
             and all(m.supports_cuda_graphs for m in methods if m is not None)
+            and self.model.offload is None
         )
         # On a GPU a step always runs a bucket's token count, captured or not, so both ways
         # launch the same kernels with the same shapes (CPU: exactly the step's tokens).

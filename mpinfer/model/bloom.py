@@ -42,6 +42,7 @@ from .layers import (
     TPGroup,
     VocabParallelEmbedding,
 )
+from .offload import Offload
 from .quant import DenseMethod, LinearMethod
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -237,6 +238,21 @@ class BloomModel(nn.Module):
         self.slopes: torch.Tensor | None = None
         # Fused GPU kernels for the decode step where they apply (off: the eager reference).
         self.use_kernels = True
+        # Blocks whose weights live in host memory (offload.py; the loader sets it).
+        self.offload: Offload | None = None
+
+    def blocks(self):
+        """(index, module to run) of every block, in order: an offloaded block runs in its ring
+        slot once its weights are in (`offload.py`), and its slot is handed on after it."""
+        off = self.offload
+        if off is not None:
+            off.start_step()
+        for i, block in enumerate(self.h):
+            if off is not None and i in off:
+                yield i, off.block(i)
+                off.done(i)
+            else:
+                yield i, block
 
     def after_load(self, device: torch.device) -> None:
         """Per-rank constants that are not weights: this rank's ALiBi slopes."""
@@ -272,7 +288,7 @@ class BloomModel(nn.Module):
         use = fused is not None
         x = self.word_embeddings(input_ids)  # (B, T, hidden)
         x = layer_norm(self.word_embeddings_layernorm, x, use)
-        for i, block in enumerate(self.h):
+        for i, block in self.blocks():
             attn = block.self_attention
 
             def attend(ln, residual, i=i, attn=attn):
@@ -293,7 +309,7 @@ class BloomModel(nn.Module):
         use = input_ids.is_cuda and self.use_kernels
         x = self.word_embeddings(input_ids)  # (N, hidden)
         x = layer_norm(self.word_embeddings_layernorm, x, use)
-        for i, block in enumerate(self.h):
+        for i, block in self.blocks():
             attn = block.self_attention
 
             def attend(ln, residual, i=i, attn=attn):

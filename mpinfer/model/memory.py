@@ -11,17 +11,20 @@ from the memory that is actually free once the weights are in. What is not here:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import os
 from dataclasses import dataclass
 
+import psutil
 import torch
 
 from ..config import RunConfig, parse_bytes
 from ..dist import DistContext, broadcast_object, gather_objects
 from .attention import KVCache
 from .bloom import BloomShape, LoadedModel
-from .sharding import specs_for
+from .sharding import rank_entries, specs_for
 
 log = logging.getLogger("mpinfer")
 
@@ -46,6 +49,100 @@ def decode_buckets(slots: int) -> list[int]:
 
 
 @dataclass(frozen=True)
+class OffloadPlan:
+    """Blocks whose weights live in pinned host memory (model/offload.py), spread over the
+    layers so that each copy overlaps the blocks before it; `depth` of them on the GPU at once."""
+
+    offloaded: tuple[int, ...]
+    depth: int
+    block_bytes: int  # one block's weights on one rank
+
+    @property
+    def host_bytes(self) -> int:
+        return len(self.offloaded) * self.block_bytes
+
+    def lines(self, n_layer: int, host_gbps: float) -> list[str]:
+        floor_ms = self.host_bytes / (host_gbps * 1e9) * 1e3
+        return [
+            f"{'blocks in host memory':<28}{len(self.offloaded):8d} of {n_layer}",
+            f"{'host memory pinned per rank':<28}{self.host_bytes / GIB:8.2f} GiB",
+            f"{'blocks in flight (ring)':<28}{self.depth:8d}",
+            f"{'copy time a step':<28}{floor_ms:8.1f} ms at {host_gbps:g} GB/s host-to-GPU "
+            "(a step takes at least this, at any batch)",
+        ]
+
+
+def spread(n: int, n_layer: int) -> list[int]:
+    """n of n_layer block indices, evenly spaced (a copy then overlaps resident blocks)."""
+    return sorted({int((k + 0.5) * n_layer / n) for k in range(n)}) if n else []
+
+
+def block_bytes(shape: BloomShape, cfg: RunConfig, tp_size: int) -> int:
+    """One block's weights on one rank, from the sharding specs."""
+    dtype = torch.float32 if cfg.model.dtype == "float32" else torch.float16
+    total = 0
+    for spec in specs_for(shape, tp_size, cfg.quant.method, cfg.quant.embeddings):
+        if spec.name.startswith("h.0."):
+            total += sum(math.prod(shp) * dt.itemsize
+                         for _, shp, dt in rank_entries(spec, tp_size, dtype))  # fmt: skip
+    return total
+
+
+def plan_offload(shape: BloomShape, cfg: RunConfig, *, tp_size: int,
+                 budget: int | None) -> OffloadPlan | None:  # fmt: skip
+    """model.offload_blocks N > 0: N blocks; -1 (auto): as few as let one max_seq_len sequence
+    fit beside the weights under `budget` (None when everything fits, or on a CPU); 0: none.
+    A budget too small even with every block in host memory is refused with the numbers."""
+    m = cfg.model
+    if m.offload_blocks == 0 or (m.offload_blocks < 0 and budget is None):
+        return None
+    blk = block_bytes(shape, cfg, tp_size)
+    depth = max(1, m.offload_depth)
+    if m.offload_blocks > 0:
+        n = min(m.offload_blocks, shape.n_layer)
+    else:
+        plan = plan_memory(shape, cfg, tp_size=tp_size, budget=budget)
+        if plan.fits or cfg.quant.method == "llm.int8":
+            return None
+        over = plan.one_slot - budget  # what has to leave the GPU, plus the ring it needs
+        n = -(-over // blk) + depth
+        if n > shape.n_layer:
+            least = plan.one_slot - shape.n_layer * blk + depth * blk
+            raise ValueError(
+                f"does not fit even with every block in host memory: needs {least / GIB:.2f} GiB "
+                f"per GPU (embeddings, workspace, {depth} blocks in flight of "
+                f"{blk / GIB:.2f} GiB and one {plan.max_seq_len}-token KV sequence), has "
+                f"{budget / GIB:.2f} GiB"
+            )
+    return OffloadPlan(tuple(spread(n, shape.n_layer)), min(depth, n), blk)
+
+
+def with_offload(plan: MemoryPlan, off: OffloadPlan | None) -> MemoryPlan:
+    """`plan` with the offloaded blocks' weights off the GPU and the ring's on it."""
+    if off is None:
+        return plan
+    items = {**plan.items,
+             f"blocks in host memory ({len(off.offloaded)})": -off.host_bytes,
+             f"offload ring ({off.depth} blocks)": off.depth * off.block_bytes}  # fmt: skip
+    return dataclasses.replace(plan, items=items, offload=off)
+
+
+def check_host_memory(off: OffloadPlan | None) -> None:
+    """Refuse, before loading, an offload plan whose pinned host memory this host lacks (every
+    rank on it pins its own share)."""
+    if off is None:
+        return
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    need, have = off.host_bytes * ranks + GIB, psutil.virtual_memory().available
+    if need > have:
+        raise ValueError(
+            f"not enough host memory to hold the offloaded blocks: needs {need / GIB:.1f} GiB "
+            f"({len(off.offloaded)} blocks x {off.block_bytes / GIB:.2f} GiB x {ranks} ranks + 1 "
+            f"GiB), {have / GIB:.1f} GiB available; raise model.memory_budget or tp"
+        )
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     tp_size: int
     items: dict  # name -> bytes per rank
@@ -54,6 +151,7 @@ class MemoryPlan:
     max_seq_len: int
     block_size: int = 16
     max_sequences: int = 32  # server.max_batch_slots: the cap on sequences at once
+    offload: OffloadPlan | None = None  # blocks whose weights stay in host memory
 
     @property
     def fixed(self) -> int:
@@ -203,11 +301,17 @@ def budget_bytes(cfg: RunConfig, device: torch.device) -> int | None:
 
 
 def check_fits(shape: BloomShape, cfg: RunConfig, *, tp_size: int, device) -> MemoryPlan | None:
-    """Refuse, before anything is loaded, a model whose weights leave no room for one slot."""
+    """Refuse, before anything is loaded, a model whose weights leave no room for one sequence
+    even with blocks offloaded to host memory (or with offloading off), or whose offloaded
+    blocks the host cannot hold. The plan, with its offload if any (None on a CPU without
+    model.offload_blocks)."""
     budget = budget_bytes(cfg, device)
+    off = plan_offload(shape, cfg, tp_size=tp_size, budget=budget)
+    check_host_memory(off)
     if budget is None:
-        return None
-    plan = plan_memory(shape, cfg, tp_size=tp_size, budget=budget)
+        return None if off is None else with_offload(
+            plan_memory(shape, cfg, tp_size=tp_size, budget=0), off)  # fmt: skip
+    plan = with_offload(plan_memory(shape, cfg, tp_size=tp_size, budget=budget), off)
     if not plan.fits:
         raise ValueError(
             f"does not fit: needs {plan.one_slot / GIB:.2f} GiB per GPU (weights and workspace "
