@@ -99,7 +99,8 @@ def test_every_row_of_a_mixed_batch_matches_transformers_alone():
 def test_greedy_rows_take_the_penalized_argmax_and_blocked_eos():
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(4))
     best = int(logits[0].argmax())
-    params = [SamplingParams(repetition_penalty=10.0), SamplingParams(min_tokens=3)]
+    params = [SamplingParams(repetition_penalty=10.0),
+              SamplingParams(min_tokens=3, stop_token_ids=(7, 9))]  # fmt: skip
     rows = [Row(0, params[0], 0), Row(1, params[1], 0)]
     t, needs = row_table(rows, V)
     seen = torch.zeros((2, V), dtype=torch.bool)
@@ -109,6 +110,14 @@ def test_greedy_rows_take_the_penalized_argmax_and_blocked_eos():
     penalized, _ = process_logits(logits, t, needs, seen=seen, counts=counts, eos_token_id=eos)
     assert int(penalized[0].argmax()) != best and not torch.isinf(penalized[0]).any()
     assert penalized[1, eos] == float("-inf")  # index 0 < min_tokens: EOS cannot end it yet
+    # nor can its stop tokens (vLLM's min_tokens), and nothing else is touched in that row
+    assert penalized[1, 7] == penalized[1, 9] == float("-inf")
+    assert torch.isinf(penalized[1]).sum() == 3 or eos in (7, 9)
+    # From index 3 on, they may come.
+    t, needs = row_table([Row(1, params[1], 3)], V)
+    penalized, _ = process_logits(logits[1:], t, needs, seen=seen[1:], counts=counts[1:],
+                                  eos_token_id=eos)  # fmt: skip
+    assert not torch.isinf(penalized).any()
 
 
 def test_frequency_and_presence_penalties_are_openais():

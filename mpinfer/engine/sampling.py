@@ -150,6 +150,8 @@ class Needs:
     top_k: int = 0  # the largest k of the batch's top-k rows (0: none)
     typical: bool = False
     block_eos: tuple[int, ...] = ()  # rows where EOS may not end the request yet
+    # (row, token) of stop_token_ids that may not be generated yet (min_tokens, as vLLM)
+    block_stop: tuple[tuple[int, int], ...] = ()
     history: bool = False  # some row has a penalty: the per-slot history is read
     min_p: bool = False
     # logit_bias as (row, token, bias) triples; allowed_token_ids as (row, token) pairs
@@ -179,6 +181,12 @@ def row_table(rows: list[Row], vocab_size: int) -> tuple[torch.Tensor, Needs]:
         top_k=max(top_k, default=0),
         typical=any(row[TYPICAL] < 1 for row in table),
         block_eos=tuple(i for i, row in enumerate(table) if row[BLOCK_EOS]),
+        block_stop=tuple(
+            (i, tok)
+            for i, r in enumerate(rows)
+            if r.index < r.params.min_tokens
+            for tok in r.params.stop_token_ids
+        ),  # fmt: skip
         history=any(r.params.uses_history for r in rows),
         min_p=any(row[MIN_P] > 0 for row in table),
         bias=tuple((i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias),
@@ -199,10 +207,10 @@ def process_logits(
     """(penalized, processed) logits of n rows, both (n, V) float32.
 
     x: the raw logits (n, V) float32; t: `row_table` on x's device. `penalized` has the
-    penalties (and EOS blocked where min_tokens asks): greedy rows take its argmax. `processed`
-    has temperature, top-k, top-p and typical-p on top, removed tokens at -inf: sampling rows
-    draw from it. `seen`: (n, V) bool, tokens of the prompt; `counts`: (n, V) generated-token
-    counts (both when `needs.history`)."""
+    penalties (and EOS and stop_token_ids blocked where min_tokens asks): greedy rows take its
+    argmax. `processed` has temperature, top-k, top-p and typical-p on top, removed tokens at
+    -inf: sampling rows draw from it. `seen`: (n, V) bool, tokens of the prompt; `counts`:
+    (n, V) generated-token counts (both when `needs.history`)."""
     n, V = x.shape
     col = lambda c: t[:, c : c + 1].to(x.dtype)  # noqa: E731  (n, 1)
     if needs.bias:
@@ -224,6 +232,9 @@ def process_logits(
         rows = to_device(needs.block_eos, x.device)
         cols = torch.full_like(rows, eos_token_id)
         x = x.index_put((rows, cols), torch.full_like(cols, -1, dtype=x.dtype) * float("inf"))
+    if needs.block_stop:
+        rows, toks = (to_device(v, x.device) for v in zip(*needs.block_stop))
+        x = x.index_put((rows, toks), torch.full_like(rows, -1, dtype=x.dtype) * float("inf"))
     y = x / col(TEMP)
     if needs.top_p:
         # Top-k and top-p over the sorted distribution, then back to vocabulary order.
