@@ -47,7 +47,7 @@ def collections_counter(it):
 def test_block_manager_keeps_exact_reference_counts_under_random_use():
     rng = random.Random(3)
     bs = 4
-    m = BlockManager(40, bs, rows=6, blocks_per_row=8)
+    m = BlockManager(40, bs, blocks_per_row=8)
     prefixes = [[rng.randrange(50) for _ in range(rng.randint(4, 20))] for _ in range(4)]
     live, rows = [], list(range(6))
     for _ in range(600):
@@ -79,7 +79,7 @@ def test_block_manager_keeps_exact_reference_counts_under_random_use():
 def test_prefix_blocks_are_reused_and_the_least_recently_used_evicted_first():
     bs = 4
     pool_blocks = 8
-    m = BlockManager(pool_blocks, bs, rows=4, blocks_per_row=6)
+    m = BlockManager(pool_blocks, bs, blocks_per_row=6)
     a = make_seq(range(10, 19))  # 9 tokens: blocks 0-1 full, block 2 partial
     assert m.admit(a, a.req.prompt_ids, 0, busy=False)
     a.pos = 9

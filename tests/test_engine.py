@@ -302,7 +302,7 @@ def test_prefill_hold_lets_a_short_prompt_wait_a_few_steps_while_rows_decode():
     def engine(hold: int, budget: int = 64) -> Engine:
         e = Engine.__new__(Engine)  # _plan reads only these
         e.running, e.max_prefill_tokens, e.prefill_hold_steps, e.held = {}, budget, hold, 0
-        e.blocks = BlockManager(1000, 16, rows=4, blocks_per_row=16)
+        e.blocks = BlockManager(1000, 16, blocks_per_row=16)
         return e
 
     def seq(slot: int, prompt: int, decoding: bool) -> Sequence:

@@ -92,23 +92,12 @@ class BlockPool:
         if self.prefix_caching and key not in self.cached and b not in self.key_of:
             self.cached[key], self.key_of[b] = b, key
 
-    def clear_cache(self) -> None:
-        """Forget every cached prefix (referenced blocks stay with their sequences)."""
-        for b in self.lru:
-            self.free.append(b)
-        self.lru.clear()
-        self.cached.clear()
-        self.key_of.clear()
-
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, *, rows: int, blocks_per_row: int,
+    def __init__(self, num_blocks: int, block_size: int, *, blocks_per_row: int,
                  prefix_caching: bool = True):  # fmt: skip
         self.pool = BlockPool(num_blocks, block_size, prefix_caching=prefix_caching)
         self.block_size, self.blocks_per_row = block_size, blocks_per_row
-        # Table entries one step may carry: a whole row for the admissions, plus one new block
-        # per decoding row (StepChannel's size).
-        self.max_updates = blocks_per_row + rows
         self.updates: list[int] = []  # (row, index, block) triples for the next step
         # A few blocks kept back while sequences run, so that admitting one does not at once
         # force a running one out.
@@ -130,8 +119,10 @@ class BlockManager:
         reclaim = sum(1 for b in hits if self.pool.ref[b] == 0)  # in the LRU, counted available
         if new + reclaim + (self.watermark if busy else 0) > self.pool.available:
             return False
+        # A step's message holds a row's worth of table entries for admissions, plus one per
+        # decoding row (runner.StepChannel's size): beyond that, the next step admits it.
         if self.updates and len(self.updates) // 3 + len(hits) + new > self.blocks_per_row:
-            return False  # this step's message is full: the next step admits it
+            return False
         for b in hits:
             self.pool.take(b)
         seq.blocks = hits + [self.pool.allocate() for _ in range(new)]
@@ -154,9 +145,10 @@ class BlockManager:
             seq.blocks.append(b)
         return True
 
-    def commit(self, seq) -> None:
-        """Register `seq`'s full blocks of known tokens up to its planned position."""
-        for i in range(min(seq.pos // self.block_size, len(seq.keys))):
+    def commit(self, seq, start: int = 0) -> None:
+        """Register the blocks of `seq` that its planned positions [start, seq.pos) filled
+        (blocks of known tokens only)."""
+        for i in range(start // self.block_size, min(seq.pos // self.block_size, len(seq.keys))):
             self.pool.register(seq.keys[i], seq.blocks[i])
 
     def release(self, seq) -> None:

@@ -32,7 +32,7 @@ log = logging.getLogger("mpinfer")
 class Scheduler:
     def __init__(self, runner: ModelRunner, *, prefix_caching: bool = True):
         self.free = list(range(runner.slots))
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size, rows=runner.slots,
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size,
                                    blocks_per_row=runner.blocks_per_row,
                                    prefix_caching=prefix_caching)  # fmt: skip
         self.running: dict[int, Sequence] = {}
@@ -152,7 +152,7 @@ class Scheduler:
             s.pos += len(chunk)
             del s.prompt_left[: len(chunk)]
             budget -= len(chunk)
-            self.blocks.commit(s)
+            self.blocks.commit(s, s.pos - len(chunk))
             if sample:
                 rows.append((s, s.scheduled))
                 s.scheduled += 1

@@ -14,6 +14,7 @@ testable on its own. What is not here: each face's own models (tgi.py, oai.py, r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -243,6 +244,13 @@ def sampling_params(
         min_tokens=extra.get("min_tokens", 0),
     )
     return check_params(params, status, prefix, {"max_new_tokens": max_new_key, **names})
+
+
+def nth_seed(params: SamplingParams, j: int) -> SamplingParams:
+    """The j-th of a request's several choices: its own seed, one past the previous one's."""
+    if j == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + j) % 2**64)
 
 
 def check_params(params: SamplingParams, status: int, prefix: str,

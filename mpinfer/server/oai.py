@@ -29,6 +29,7 @@ from .api import (
     Parsed,
     SamplingFields,
     check_params,
+    nth_seed,
     read_json,
     sampling_params,
     validate,
@@ -241,12 +242,6 @@ def check_prompt(value, n) -> None:
 
 def is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def nth_seed(params, j: int):
-    if j == 0 or params.seed is None:
-        return params
-    return dataclasses.replace(params, seed=(params.seed + j) % 2**64)
 
 
 def parse_chat(body: bytes, state: State) -> Parsed:

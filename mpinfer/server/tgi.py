@@ -31,6 +31,7 @@ from .api import (
     Parsed,
     SamplingFields,
     check_params,
+    nth_seed,
     read_json,
     sampling_params,
     tgi_error,
@@ -101,19 +102,13 @@ def parse_tgi(body: bytes, state: State, *, stream: bool | None) -> Parsed:
             fail("best_of", "best_of > 1 needs sampling (do_sample or a temperature)")
         if stream:
             fail("best_of", "best_of > 1 cannot be streamed")
-    jobs = tuple(Job(r.inputs, _nth_seed(params, i), f.truncate) for i in range(f.best_of))
+    jobs = tuple(Job(r.inputs, nth_seed(params, i), f.truncate) for i in range(f.best_of))
     return Parsed(jobs, stream=stream, options={**options, "prompt": r.inputs,
                                                 "top_n": f.top_n_tokens})  # fmt: skip
 
 
 def fail(key: str, message: str):
     raise ApiError(STATUS, f"parameters.{key}: {message}", field=f"parameters.{key}")
-
-
-def _nth_seed(params, i: int):
-    if i == 0 or params.seed is None:
-        return params
-    return dataclasses.replace(params, seed=(params.seed + i) % 2**64)
 
 
 def token_json(state: State, token_id: int, text: str, logprob) -> dict:
