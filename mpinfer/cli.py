@@ -291,6 +291,12 @@ def plan_main(argv: list[str]) -> int:
     p.add_argument("--host-gbps", type=float, default=25.0,
                    help="host-to-GPU copy speed for the offload estimate (default 25: PCIe 4 "
                    "x16; an H200 measured 55)")  # fmt: skip
+    p.add_argument("--gpu-tbps", type=float, default=0.9,
+                   help="GPU memory speed for the offload estimate (default 0.9: a 24 GB RTX "
+                   "3090/4090)")  # fmt: skip
+    p.add_argument("--gpu-tflops", type=float, default=80.0,
+                   help="GPU fp16 matmul rate for the offload estimate (default 80: an RTX "
+                   "4090 with fp32 accumulation)")  # fmt: skip
     p.add_argument(
         "--request",
         default="512+256",
@@ -337,7 +343,7 @@ def plan_main(argv: list[str]) -> int:
     print(f"tp={tp}")
     print("\n".join(plan.lines(request)))
     if off is not None:
-        print("\n".join(off.lines(shape.n_layer, a.host_gbps)))
+        print("\n".join(off.lines(shape.n_layer, a.host_gbps, a.gpu_tbps, a.gpu_tflops)))
     if not plan.fits:
         print(f"does not fit: needs {plan.one_slot / GIB:.2f} GiB per GPU, has {budget / GIB:.2f}; "
               f"{suggest(shape, cfg, tp_size=tp, budget=budget)}")  # fmt: skip

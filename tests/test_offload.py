@@ -92,8 +92,10 @@ def test_the_engine_with_blocks_in_host_memory_equals_it_without(deep):
                 )
             engine.run(until_idle=True, stop_ranks=False)
             out[name] = sorted(r.token_ids for r in results)
-            if off is not None:  # 5 blocks through 2 slots: every block, every forward
-                assert off.copies == 5 * engine.steps
+            if off is not None:  # 5 blocks through 2 slots: every block, every forward, and
+                # the first 2 again after the last (fetched ahead for a next step)
+                assert off.copies == 5 * engine.steps + 2
+                assert off.arena is not None and off.arena.used > 0 and not off.arena.pinned
         assert out["hf"] == out["plain"] and out["sharded"] == out["plain"]
     finally:
         teardown()
@@ -175,3 +177,68 @@ def _fake_gpu_memory(monkeypatch):
 
     monkeypatch.setattr(memory, "budget_bytes", budget)
     yield torch
+
+
+def test_the_offload_benchmark_checks_its_logits_on_a_cpu(monkeypatch):
+    """`mpinfer bench gpu --gpu-mem` on a CPU: the planner's blocks go to the host arena, and
+    the logits with offload equal the synchronous reference and the same weights all resident
+    (the checks the GPU run reports for BLOOM-176B and bloom-7b1)."""
+    import argparse
+    import dataclasses
+
+    from mpinfer.model.memory import block_bytes
+    from mpinfer.tools import offloadbench, randmodel
+
+    shape = dataclasses.replace(SHAPES["tiny"], n_layer=LAYERS)
+    monkeypatch.setitem(randmodel.SHAPES, "tiny6", shape)
+    cfg = offloadbench.bench_config(8, False)
+    full = plan_memory(shape, cfg, tp_size=1, budget=0)
+    blk = block_bytes(shape, cfg, 1)
+    # Two blocks too many (2 + a ring of 2 offloaded) beside one row of 8 + 16 tokens of KV.
+    budget = full.one_slot - 2 * blk + 24 * offloadbench.kv_token_bytes(shape, False)
+    a = argparse.Namespace(shape="tiny6", gpu_mem=str(budget), batches="1,4", context=8,
+                           kv_cache_dtype="auto", kv_rows=1, no_baseline=True)  # fmt: skip
+    r = offloadbench.run_offload(a)
+    assert r["plan"]["offloaded"] == spread(4, LAYERS) and r["plan"]["depth"] == 2
+    assert r["vs_sync_reference"]["max_abs"] == 0 and r["vs_all_resident"]["max_abs"] == 0
+    assert r["vs_all_resident"]["max_logit"] > 0
+    assert set(r["offload_ms"]) == {1, 4} and set(r["depth_ms"]) == {1, 2, 3}
+    assert "4 of 6 blocks in host memory" in offloadbench.markdown(r)
+
+
+def test_a_failed_copy_fails_every_request_of_the_step_not_a_wrong_answer(deep):
+    """A copy into the ring that fails mid-step (injected in the third step): the engine fails
+    (the server's fault handling: every rank stops), every request ends with that error, and
+    none ends with tokens computed on a block whose weights never arrived."""
+    from mpinfer.checkpoint.loader import load_model
+    from mpinfer.dist import init_distributed, teardown
+    from mpinfer.engine.engine import Engine
+    from mpinfer.engine.runner import ModelRunner
+    from mpinfer.engine.sampling import SamplingParams
+
+    ctx = init_distributed(timeout_s=60, device="cpu")
+    try:
+        cfg = load_config(None, [f'model.path="{deep["hf"]}"', 'quant.method="int8"',
+                                 "model.offload_blocks=5"])  # fmt: skip
+        loaded = load_model(cfg, ctx)
+        off = loaded.model.offload
+        fetch, calls = off._fetch, {"n": 0}
+
+        def failing(b):
+            calls["n"] += 1
+            if calls["n"] == 13:  # the third step's
+                raise RuntimeError("host-to-device copy failed")
+            fetch(b)
+
+        off._fetch = failing
+        engine = Engine(ModelRunner(loaded, ctx, slots=4, max_seq=64), ctx, None)
+        events = []
+        for ids in ([5, 6, 7], [8, 9]):
+            engine.submit(ids, SamplingParams(max_new_tokens=10), events.append)
+        with pytest.raises(RuntimeError, match="host-to-device copy failed"):
+            engine.run(until_idle=True, stop_ranks=False)
+        ends = [e for e in events if e.kind in ("done", "error")]
+        assert [e.kind for e in ends] == ["error", "error"]
+        assert all("host-to-device copy failed" in e.error for e in ends)
+    finally:
+        teardown()

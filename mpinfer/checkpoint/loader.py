@@ -31,7 +31,7 @@ from ..dist import DistContext, broadcast_object, gather_objects
 from ..model.bloom import DTYPES, BloomModel, BloomShape, LoadedModel
 from ..model.layers import TPGroup
 from ..model.memory import OffloadPlan, check_fits
-from ..model.offload import Offload
+from ..model.offload import HostArena, Offload
 from ..model.quant import make_linear_method
 from ..model.sharding import ShardSpec, rank_entries, shard_tensor, specs_for
 from . import sharded
@@ -80,27 +80,31 @@ def offload_of(plan) -> OffloadPlan | None:
     return plan.offload if plan is not None else None
 
 
-def placement(off: OffloadPlan | None, device: torch.device):
-    """Where each loaded tensor goes: an offloaded block's to (pinned) host memory, straight
-    from the slice it came in (host RAM peaks at the offloaded bytes plus one slice), the rest
-    to the device."""
+def placement(off: OffloadPlan | None, device: torch.device, model: BloomModel):
+    """Where each loaded tensor goes: an offloaded block's into one host arena (page-locked on
+    a GPU host), straight from the slice it came in (host RAM peaks at the offloaded bytes plus
+    one slice), the rest to the device. The arena, None without offloading."""
     blocks = set(off.offloaded) if off is not None else set()
+    arena = None
+    if blocks:
+        shapes = [(tuple(p.shape), p.dtype) for b in sorted(blocks)
+                  for p in model.h[b].parameters()]  # fmt: skip
+        arena = HostArena(HostArena.size_for(shapes), pin=device.type == "cuda")
 
     def place(name: str, t: torch.Tensor) -> torch.Tensor:
         if blocks and name.startswith("h.") and int(name.split(".")[1]) in blocks:
-            if device.type != "cuda":
-                return t.to("cpu")
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host = arena.take(t.shape, t.dtype)
             host.copy_(t)
             return host
         return t.to(device)
 
-    return place
+    return place, arena
 
 
-def finish_model(model: BloomModel, device: torch.device, off: OffloadPlan | None = None) -> None:
+def finish_model(model: BloomModel, device: torch.device, off: OffloadPlan | None = None,
+                 arena: HostArena | None = None) -> None:  # fmt: skip
     """Check nothing is left on meta, run the per-layer and per-model hooks, and set up the
-    offloaded blocks' ring (`off`)."""
+    offloaded blocks' ring (`off`, their weights in `arena`)."""
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise RuntimeError(f"{len(left)} parameters were never loaded, e.g. {left[:3]}")
@@ -110,12 +114,13 @@ def finish_model(model: BloomModel, device: torch.device, off: OffloadPlan | Non
             method.after_load(module)
     model.after_load(device)
     if off is not None:
-        model.offload = Offload(model.h, list(off.offloaded), off.depth, device)
+        model.offload = Offload(model.h, list(off.offloaded), off.depth, device, arena)
         log.info(
-            "%d of %d blocks in host memory (%.2f GiB), %d in flight on the device",
+            "%d of %d blocks in host memory (%.2f GiB%s), %d in flight on the device",
             len(off.offloaded),
             len(model.h),
             off.host_bytes / 2**30,
+            ", page-locked" if arena is not None and arena.pinned else "",
             model.offload.depth,
         )
 
@@ -226,10 +231,10 @@ def load_model(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
 def _load_from_hf(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
     shape, tp_size, ckpt = agree_on_model(cfg, ctx)
     off = offload_of(check_fits(shape, cfg, tp_size=tp_size, device=ctx.device))
-    place = placement(off, ctx.device)
     dtype = resolve_dtype(cfg.model.dtype, ctx.device)
     tp = TPGroup(ctx.rank, tp_size, ctx.compute_group if tp_size > 1 else None)
     model = build_meta_model(shape, tp, cfg, dtype)
+    place, arena = placement(off, ctx.device, model)
     specs = specs_for(shape, tp_size, cfg.quant.method, cfg.quant.embeddings)
     if ctx.is_rank0:
         log.info(
@@ -243,7 +248,7 @@ def _load_from_hf(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
         _stream_rank0(model, specs, ckpt, tp_size, dtype, ctx, place)
     else:
         _stream_other(model, specs, tp_size, dtype, ctx, place)
-    finish_model(model, ctx.device, off)
+    finish_model(model, ctx.device, off, arena)
     return LoadedModel(model, shape, tp, dtype, ctx.device, cfg.model.path)
 
 
@@ -261,10 +266,10 @@ def _load_sharded(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
     tp_size = manifest["tp_size"]
     shape = BloomShape.from_config(manifest["model_config"])
     off = offload_of(check_fits(shape, cfg, tp_size=tp_size, device=ctx.device))
-    place = placement(off, ctx.device)
     dtype = resolve_dtype(cfg.model.dtype, ctx.device)
     tp = TPGroup(ctx.rank, tp_size, ctx.compute_group if tp_size > 1 else None)
     model = build_meta_model(shape, tp, cfg, dtype)
+    place, arena = placement(off, ctx.device, model)
     path = out / sharded.rank_file(ctx.rank, tp_size)
     if ctx.is_rank0:
         log.info("loading sharded %s (tp=%d, %s)", out, tp_size, manifest["quant"]["method"])
@@ -276,7 +281,7 @@ def _load_sharded(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
             if t.dtype != torch.int8 and not name.endswith("_scale"):
                 t = t.to(dtype)
             assign_tensor(model, name, place(name, t))
-    finish_model(model, ctx.device, off)
+    finish_model(model, ctx.device, off, arena)
     return LoadedModel(model, shape, tp, dtype, ctx.device, str(out))
 
 

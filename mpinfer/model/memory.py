@@ -51,25 +51,56 @@ def decode_buckets(slots: int) -> list[int]:
 @dataclass(frozen=True)
 class OffloadPlan:
     """Blocks whose weights live in pinned host memory (model/offload.py), spread over the
-    layers so that each copy overlaps the blocks before it; `depth` of them on the GPU at once."""
+    layers so that each copy overlaps the blocks before it; `depth` of them on the GPU at once.
+    The transfer unit is one block: even bloom-7b1's 200 MB block copies at the full host-to-GPU
+    speed, so grouping blocks would only take memory from the resident ones."""
 
     offloaded: tuple[int, ...]
     depth: int
     block_bytes: int  # one block's weights on one rank
+    model_bytes: int = 0  # every weight on one rank, resident or not (what a step reads)
+    flops_per_token: int = 0  # a decode token's matmul work on one rank
 
     @property
     def host_bytes(self) -> int:
         return len(self.offloaded) * self.block_bytes
 
-    def lines(self, n_layer: int, host_gbps: float) -> list[str]:
-        floor_ms = self.host_bytes / (host_gbps * 1e9) * 1e3
-        return [
+    def copy_ms(self, host_gbps: float) -> float:
+        """The transfer floor: a step copies every offloaded block in once."""
+        return self.host_bytes / (host_gbps * 1e9) * 1e3
+
+    def compute_ms(self, batch: int, gpu_tbps: float, gpu_tflops: float) -> float:
+        """A step's own work, as if every weight were resident: read each weight once, and the
+        batch's matmuls."""
+        return (self.model_bytes / (gpu_tbps * 1e12)
+                + batch * self.flops_per_token / (gpu_tflops * 1e12)) * 1e3  # fmt: skip
+
+    def predict_ms(self, batch: int, host_gbps: float, gpu_tbps: float,
+                   gpu_tflops: float) -> float:  # fmt: skip
+        """The copies overlap the compute: a step takes the longer of the two."""
+        return max(self.copy_ms(host_gbps), self.compute_ms(batch, gpu_tbps, gpu_tflops))
+
+    def compute_bound_from(self, host_gbps: float, gpu_tbps: float, gpu_tflops: float) -> int:
+        """The batch from which a step's compute outlasts its copies."""
+        spare = self.copy_ms(host_gbps) - self.compute_ms(0, gpu_tbps, gpu_tflops)
+        per = self.compute_ms(1, gpu_tbps, gpu_tflops) - self.compute_ms(0, gpu_tbps, gpu_tflops)
+        return max(1, math.ceil(spare / per)) if per > 0 else 1
+
+    def lines(self, n_layer: int, host_gbps: float, gpu_tbps: float = 0.9,
+              gpu_tflops: float = 80.0) -> list[str]:  # fmt: skip
+        at = f"at {host_gbps:g} GB/s host-to-GPU, {gpu_tbps:g} TB/s and {gpu_tflops:g} TFLOP/s"
+        out = [
             f"{'blocks in host memory':<28}{len(self.offloaded):8d} of {n_layer}",
             f"{'host memory pinned per rank':<28}{self.host_bytes / GIB:8.2f} GiB",
             f"{'blocks in flight (ring)':<28}{self.depth:8d}",
-            f"{'copy time a step':<28}{floor_ms:8.1f} ms at {host_gbps:g} GB/s host-to-GPU "
-            "(a step takes at least this, at any batch)",
+            f"{'copy time a step':<28}{self.copy_ms(host_gbps):8.1f} ms (the floor of a step)",
         ]
+        for b in (1, 32):
+            ms = self.predict_ms(b, host_gbps, gpu_tbps, gpu_tflops)
+            out.append(f"{f'step at batch {b}':<28}{ms:8.1f} ms, {b / ms * 1e3:.1f} tok/s")
+        out.append(f"{'compute-bound from batch':<28}"
+                   f"{self.compute_bound_from(host_gbps, gpu_tbps, gpu_tflops):8d}")  # fmt: skip
+        return out + [f"(estimates {at}: --host-gbps, --gpu-tbps, --gpu-tflops)"]
 
 
 def spread(n: int, n_layer: int) -> list[int]:
@@ -98,10 +129,12 @@ def plan_offload(shape: BloomShape, cfg: RunConfig, *, tp_size: int,
         return None
     blk = block_bytes(shape, cfg, tp_size)
     depth = max(1, m.offload_depth)
+    plan = plan_memory(shape, cfg, tp_size=tp_size, budget=budget or 0)
+    h = shape.hidden_size
+    flops = 2 * (12 * h * h * shape.n_layer + h * shape.vocab_size) // tp_size
     if m.offload_blocks > 0:
         n = min(m.offload_blocks, shape.n_layer)
     else:
-        plan = plan_memory(shape, cfg, tp_size=tp_size, budget=budget)
         if plan.fits or cfg.quant.method == "llm.int8":
             return None
         over = plan.one_slot - budget  # what has to leave the GPU, plus the ring it needs
@@ -114,7 +147,7 @@ def plan_offload(shape: BloomShape, cfg: RunConfig, *, tp_size: int,
                 f"{blk / GIB:.2f} GiB and one {plan.max_seq_len}-token KV sequence), has "
                 f"{budget / GIB:.2f} GiB"
             )
-    return OffloadPlan(tuple(spread(n, shape.n_layer)), min(depth, n), blk)
+    return OffloadPlan(tuple(spread(n, shape.n_layer)), min(depth, n), blk, plan.weights, flops)
 
 
 def with_offload(plan: MemoryPlan, off: OffloadPlan | None) -> MemoryPlan:

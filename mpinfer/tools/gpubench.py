@@ -27,6 +27,8 @@ from ..engine.runner import Prefill, Step
 from ..extras import require
 from ..model.memory import plan_memory
 from .memcheck import MEMORY_CASES, memory_check, memory_check_table
+from .offloadbench import markdown as offload_markdown
+from .offloadbench import run_offload
 from .randmodel import (
     SHAPES,
     build_random,
@@ -348,11 +350,26 @@ def main(argv: list[str]) -> int:
     p.add_argument("--simulate-tp", type=int, default=0, help="also one BLOOM-176B rank of tp=N")
     p.add_argument("--memory", action="store_true",
                    help="also the planner against the GPU (memcheck.MEMORY_CASES)")  # fmt: skip
-    p.add_argument("--out", default="bench/results/gpu.json")
+    p.add_argument("--gpu-mem", default="",
+                   help="a GPU budget below the model: blocks stream from host memory "
+                   "(offloadbench.py); e.g. 4GiB")  # fmt: skip
+    p.add_argument("--batches", default="1,32,128", help="with --gpu-mem: decode batch sizes")
+    p.add_argument("--context", type=int, default=64, help="with --gpu-mem: tokens before")
+    p.add_argument("--kv-rows", type=int, default=1,
+                   help="with --gpu-mem: sequences whose KV cache the budget holds")  # fmt: skip
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    p.add_argument("--no-baseline", action="store_true", help="with --gpu-mem: no accelerate")
+    p.add_argument("--out", default="")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: `mpinfer bench gpu` needs a CUDA GPU")
         return 2
+    if a.gpu_mem:
+        result = run_offload(a)
+        save_result(result, a.out or f"bench/results/offload-{a.shape}.json",
+                    offload_markdown(result))  # fmt: skip
+        return 0
+    a.out = a.out or "bench/results/gpu.json"
     a.rows = [(r, ROWS[r]) for r in a.rows.split(",")]
     result = run_gpu(a)
     save_result(result, a.out, markdown(result))

@@ -35,14 +35,17 @@ def load_shapes() -> dict[str, BloomShape]:
 SHAPES = load_shapes()
 
 
-def randomize_model(model, *, seed: int = 0) -> None:
-    """Fill a model (already on its device, storage uninitialized) with random weights and run
-    the after-load hooks: int8 rows with scales giving std ~1/sqrt(fan_in), unit LayerNorms."""
-    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+def randomize_model(model, *, seed: int = 0, finish: bool = True) -> None:
+    """Fill a model (storage uninitialized, on its device or in host memory) with random
+    weights: int8 rows with scales giving std ~1/sqrt(fan_in), unit LayerNorms. The values are
+    drawn on the GPU when there is one, so a weight gets the same values wherever it lives.
+    `finish`: also run the after-load hooks."""
+    gen = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator(device=gen).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dtype == torch.int8:
-                p.copy_(torch.randint(-127, 128, p.shape, generator=g, device=p.device))
+                p.copy_(torch.randint(-127, 128, p.shape, generator=g, device=gen, dtype=p.dtype))
             elif name.endswith("weight_scale"):
                 fan_in = model.get_parameter(name[: -len("_scale")]).shape[1]
                 p.fill_(1.7 / math.sqrt(fan_in) / 127)
@@ -51,8 +54,10 @@ def randomize_model(model, *, seed: int = 0) -> None:
             elif p.dim() == 1:
                 p.zero_()
             else:
-                p.normal_(0, 1 / math.sqrt(p.shape[1]), generator=g)
-    finish_model(model, next(model.parameters()).device)
+                w = torch.empty(p.shape, dtype=p.dtype, device=gen)
+                p.copy_(w.normal_(0, 1 / math.sqrt(p.shape[1]), generator=g))
+    if finish:
+        finish_model(model, next(model.parameters()).device)
 
 
 def build_random(shape_name: str, kind: str, *, tp_size: int = 1, tp_rank: int = 0, group=None,
