@@ -17,6 +17,7 @@ from types import ModuleType
 LAZY: dict[str, tuple[str, str]] = {
     "bitsandbytes": ("llm-int8", "quant.method='llm.int8'"),
     "transformers": ("bench", "the transformers baselines of the benchmarks"),
+    "accelerate": ("bench", "the transformers + accelerate offload baseline of the benchmarks"),
     "aiohttp": ("bench", "the served-speed benchmark's streaming clients"),
     "triton": ("", "the GPU kernels (it comes with CUDA builds of torch)"),
     "pynvml": ("", "GPU utilization in the served benchmark (nvidia-ml-py; optional there)"),

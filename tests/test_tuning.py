@@ -42,6 +42,8 @@ def test_a_bad_config_name_is_refused_by_name(bad):
      ("swap n64 k128 split1 pf0 magic0 w4 s4", 1, 4096, 4096, "float16", "several rows"),
      ("dot n64 k128 split1 pf0 magic1 w4 s3", 1, 4096, 4096, "bfloat16", "fp16 only"),
      ("dot n64 k128 split2 pf0 magic0 w4 s3", 64, 250880, 4096, "float16", "workspace"),
+     # 2 rows share the 16-row bucket's config: its partials must fit at 16 rows (176B, tp 1)
+     ("dot n64 k128 split8 pf0 magic0 w4 s3", 2, 57344, 14336, "float16", "workspace"),
      ("dot n64 k256 split8 pf0 magic0 w4 s3", 1, 4096, 1792, "float16", "shorter than one"),
      ("dot n64 k256 split4 pf0 magic0 w4 s3", 1, 4096, 1792, "float16", None),
      ("fma n8 k512 split1 pf1 magic1 w4 s1", 1, 250880, 4096, "float16", None),

@@ -98,9 +98,12 @@ class OffloadPlan:
         for b in (1, 32):
             ms = self.predict_ms(b, host_gbps, gpu_tbps, gpu_tflops)
             out.append(f"{f'step at batch {b}':<28}{ms:8.1f} ms, {b / ms * 1e3:.1f} tok/s")
-        out.append(f"{'compute-bound from batch':<28}"
-                   f"{self.compute_bound_from(host_gbps, gpu_tbps, gpu_tflops):8d}")  # fmt: skip
-        return out + [f"(estimates {at}: --host-gbps, --gpu-tbps, --gpu-tflops)"]
+        most = self.compute_bound_from(host_gbps, gpu_tbps, gpu_tflops)
+        out.append(f"{'compute-bound from batch':<28}{most:8d}")
+        return out + [f"(estimates {at}: --host-gbps, --gpu-tbps, --gpu-tflops; a step costs "
+                      f"about the same for up to {most} tokens, decode rows and prompt tokens "
+                      "together: raise server.max_batch_slots and max_prefill_tokens toward it "
+                      "as memory allows)"]  # fmt: skip
 
 
 def spread(n: int, n_layer: int) -> list[int]:

@@ -122,7 +122,9 @@ def illegal(name_: str, rows: int, N: int, K: int, dtype: str) -> str | None:
         return "swap is for several rows"
     if kw["MAGIC"] not in magics(dtype):
         return "the Triton-op bit trick (magic1) makes fp16 only"
-    if split > 1 and split * rows * N * 4 > WORKSPACE_BYTES:
+    # The autotuner keeps one config per row bucket, so the partials must fit at the bucket's
+    # most rows (a config picked at 2 rows runs 16).
+    if split > 1 and split * row_bucket(rows) * N * 4 > WORKSPACE_BYTES:
         return f"split-K partials over the {WORKSPACE_BYTES >> 20} MiB workspace"
     if bk * split > max(K, bk):
         return "a split shorter than one K tile"

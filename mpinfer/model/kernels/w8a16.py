@@ -373,6 +373,9 @@ def w8a16_matmul(
         n_tiles = triton.cdiv(N, meta["BLOCK_N"])
         assert n_tiles * m_tiles <= COUNTERS, "more output tiles than split-K counters"
         assert meta["USE_DOT"] or M == 1, "the one-row loop picked for several rows"
+        assert meta["split_k"] * M * N * 4 <= WORKSPACE_BYTES or meta["split_k"] == 1, (
+            "split-K partials over the workspace"
+        )
         return (n_tiles, meta["split_k"], m_tiles if meta["USE_DOT"] else 1)
 
     if config is None:
