@@ -140,3 +140,32 @@ def test_plan_into_a_closed_pipe_ends_quietly():
     os.close(write)
     assert proc.returncode == 141, proc.stderr
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
+
+
+def test_the_kv_cache_leaves_free_memory_for_what_start_up_allocates_after_it(monkeypatch):
+    """With the whole GPU as the budget, the cache is sized from the memory free after the
+    weights, less the runtime headroom (Triton's autotuner allocates a 256 MiB buffer at warm-up:
+    without the headroom, a GPU start-up ran out of memory there)."""
+    import types
+
+    import torch
+
+    from mpinfer.dist import DistContext
+    from mpinfer.model import memory
+
+    gib = 2**30
+    cfg = load_config(str(ROOT / "configs/bloom-7b1.toml"), ['model.memory_budget=""'])
+    shape = BloomShape.from_config(json.loads((ROOT / "configs/arch/bloom-7b1.json").read_text()))
+    free, total = 60 * gib, 80 * gib
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 8 * gib)
+    monkeypatch.setattr(memory, "budget_bytes", lambda cfg, device: total)
+    loaded = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"), shape=shape,
+                                   tp=types.SimpleNamespace(tp_size=1))  # fmt: skip
+    ctx = DistContext(0, 1, 0, "cpu", None, None)
+    _, blocks = memory.kv_cache_size(loaded, cfg, ctx)
+    plan = plan_memory(shape, cfg, tp_size=1, budget=total)
+    beside = sum(plan.items[k] for k in ("activation workspace", "sampler state", "step graphs"))
+    cache = blocks * 16 * plan.kv_bytes_per_token
+    left = free - beside - cache
+    assert memory.RUNTIME_HEADROOM <= left < memory.RUNTIME_HEADROOM + 16 * plan.kv_bytes_per_token

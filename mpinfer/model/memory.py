@@ -32,6 +32,9 @@ GIB = 2**30
 # What the CUDA context, cuBLAS/NCCL workspaces and the allocator's slack take per GPU before a
 # single weight is placed (a conservative figure: 0.5-0.9 GiB measured across recent drivers).
 CONTEXT_RESERVE = int(0.75 * GIB)
+# Free GPU memory the KV cache leaves for what start-up allocates after it: Triton's autotuner
+# times kernels beside a 256 MiB cache-flush buffer, cuBLAS makes its workspaces on first use.
+RUNTIME_HEADROOM = 2**30
 # Prompt log-probabilities go through the LM head this many positions at a time (runner.py).
 PROMPT_LOGPROB_ROWS = 64
 # GPU sizes `mpinfer plan` answers for when not told one, as the driver reports them (a 24 GB
@@ -374,7 +377,9 @@ def kv_cache_size(loaded: LoadedModel, cfg: RunConfig, ctx: DistContext, *,
         free = torch.cuda.mem_get_info(loaded.device)[0]
         budget = budget_bytes(cfg, loaded.device)
         used = torch.cuda.memory_allocated(loaded.device)
-        free = min(free, budget - used - CONTEXT_RESERVE)
+        # What is free now, less what start-up allocates after the cache (Triton's autotuner
+        # takes a 256 MiB buffer, cuBLAS its workspaces), and within the budget.
+        free = min(free - RUNTIME_HEADROOM, budget - used - CONTEXT_RESERVE)
         plan = plan_memory(loaded.shape, cfg, tp_size=loaded.tp.tp_size, budget=budget)
         beside = sum(plan.items.get(k, 0) for k in ("activation workspace", "sampler state",
                                                      "step graphs"))  # fmt: skip
