@@ -285,7 +285,6 @@ def plan_main(argv: list[str]) -> int:
                                 "\n  mpinfer plan --model /data/bloom --gpu-mem 24GiB --tp 8",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     add_config_args(p)
-    p.add_argument("--gpu-mem", help="memory per GPU, e.g. 24GiB (default: model.memory_budget)")
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: parallel.tp_size)")
     p.add_argument("--arch", help="the model's config.json (default: model.path's, or model.arch)")
     p.add_argument("--host-gbps", type=float, default=25.0,
@@ -339,11 +338,17 @@ def plan_main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    plan = with_offload(plan_memory(shape, cfg, tp_size=tp, budget=budget), off)
+    whole = plan_memory(shape, cfg, tp_size=tp, budget=budget)
+    plan = with_offload(whole, off)
     print(f"tp={tp}")
     print("\n".join(plan.lines(request)))
     if off is not None:
         print("\n".join(off.lines(shape.n_layer, a.host_gbps, a.gpu_tbps, a.gpu_tflops)))
+        if not whole.fits:  # say what keeps every block on the GPU instead
+            print(
+                f"every block on the GPU would need {whole.one_slot / GIB:.2f} GiB per GPU, "
+                f"has {budget / GIB:.2f}: {suggest(shape, cfg, tp_size=tp, budget=budget)}"
+            )
     if not plan.fits:
         print(f"does not fit: needs {plan.one_slot / GIB:.2f} GiB per GPU, has {budget / GIB:.2f}; "
               f"{suggest(shape, cfg, tp_size=tp, budget=budget)}")  # fmt: skip

@@ -40,10 +40,10 @@ class ModelConfig:
     memory_budget: str = ""
     # With a Hub model id as path: the branch, tag or commit to use ("" = main).
     revision: str = ""
-    # Blocks whose weights stay in host memory, copied in as each runs (model/offload.py): 0 =
-    # none (a model over the budget is refused); -1 = as many as the budget needs; N = N.
-    # Not yet measured on a GPU: off by default.
-    offload_blocks: int = 0
+    # Blocks whose weights stay in host memory, copied in as each runs (model/offload.py): -1 =
+    # as many as the budget needs (none when the model fits); 0 = none (a model over the budget
+    # is refused); N = N.
+    offload_blocks: int = -1
     # Offloaded blocks on the GPU at once (copies in flight ahead of the compute).
     offload_depth: int = 2
 
@@ -150,7 +150,7 @@ class RunConfig:
                              "(-1: as many as the budget needs)")  # fmt: skip
         if self.model.offload_depth < 1:
             raise ValueError(f"model.offload_depth={self.model.offload_depth} must be >= 1")
-        if self.model.offload_blocks and self.quant.method == "llm.int8":
+        if self.model.offload_blocks > 0 and self.quant.method == "llm.int8":
             raise ValueError("model.offload_blocks: bitsandbytes layers (quant.method=llm.int8) "
                              "cannot be offloaded; use int8 or none")  # fmt: skip
         if self.quant.method not in QUANT_METHODS:
@@ -307,6 +307,10 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory; shortcut for --set model.path=DIR")
     parser.add_argument("--quant", choices=QUANT_METHODS, help="shortcut for --set quant.method=")
     parser.add_argument("--dtype", choices=DTYPES, help="shortcut for --set model.dtype=")
+    parser.add_argument("--gpu-mem", metavar="SIZE",
+                        help="GPU memory per rank, e.g. 24GiB: shortcut for --set "
+                        "model.memory_budget= (a model over it keeps blocks in host "
+                        "memory)")  # fmt: skip
     parser.add_argument(
         "--verbose",
         action="store_true",
@@ -324,6 +328,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         overrides.append(f"quant.method={_toml_str(args.quant)}")
     if args.dtype:
         overrides.append(f"model.dtype={_toml_str(args.dtype)}")
+    if getattr(args, "gpu_mem", None):
+        overrides.append(f"model.memory_budget={_toml_str(args.gpu_mem)}")
     if getattr(args, "host", None):  # the server's shortcuts
         overrides.append(f"server.host={_toml_str(args.host)}")
     if getattr(args, "port", None) is not None:

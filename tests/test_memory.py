@@ -48,12 +48,19 @@ def test_plan_command_prints_gib_lines_and_fails_when_too_small(capsys):
     out = capsys.readouterr().out
     assert "weights (int8)                 20.10 GiB" in out
     code = mpinfer_main(["plan", "--config", str(ROOT / "configs/bloom-176b-8x24gb.toml"),
-                         "--tp", "4"])  # fmt: skip
+                         "--tp", "4", "--set", "model.offload_blocks=0"])  # fmt: skip
     out = capsys.readouterr().out
     # 42.48 GiB of weights and workspace + one 2048-token sequence of 0.957 MiB a token.
     assert code == 1 and "does not fit: needs 44.40 GiB per GPU, has 24.00; try tp=8" in out
+    # By default the planner puts blocks in host memory instead, and says what would not.
+    code = mpinfer_main(["plan", "--config", str(ROOT / "configs/bloom-176b-8x24gb.toml"),
+                         "--tp", "4"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0 and "blocks in host memory             38 of 70" in out
+    assert "every block on the GPU would need 44.40 GiB per GPU, has 24.00: try tp=8" in out
     code = mpinfer_main(["plan", "--config", str(ROOT / "configs/bloom-7b1.toml"),
-                         "--gpu-mem", "12GiB", "--quant", "none"])  # fmt: skip
+                         "--gpu-mem", "12GiB", "--quant", "none",
+                         "--set", "model.offload_blocks=0"])  # fmt: skip
     assert code == 1 and "try tp=2" in capsys.readouterr().out
 
 
@@ -118,7 +125,8 @@ def test_start_up_refuses_before_loading_when_memory_is_short(ckpts, budget):
     assert proc.returncode != 0
     for rank in (0, 1):
         errors = [ln for ln in proc.stderr.splitlines() if ln.startswith(f"[rank {rank}] ERROR")]
-        assert any("does not fit: needs" in ln and "has 0.00 GiB" in ln for ln in errors)
+        assert any("does not fit even with every block in host memory: needs" in ln
+                   and "has 0.00 GiB" in ln for ln in errors)  # fmt: skip
     assert "loaded in" not in proc.stderr
 
 

@@ -34,12 +34,14 @@ def deep(tmp_path_factory):
     return {"hf": hf, "sharded": root / "sharded"}
 
 
-def generate(model, *settings, nproc: int = 1):
+def generate(model, *settings, nproc: int = 1, gpu_mem: str = ""):
     args = [sys.executable, "-m", "mpinfer.cli", "generate", "--model", str(model), "--quant",
             "int8", "--greedy", "--max-new-tokens", "12", "--json", "--prompt", "the river",
             "--prompt", "a king and a queen of the old city"]  # fmt: skip
     if nproc > 1:
         args += ["--nproc", str(nproc)]
+    if gpu_mem:
+        args += ["--gpu-mem", gpu_mem]
     for s in settings:
         args += ["--set", s]
     proc = subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
@@ -102,10 +104,18 @@ def test_the_engine_with_blocks_in_host_memory_equals_it_without(deep):
 
 
 def test_tp2_with_blocks_in_host_memory_equals_it_without(deep):
-    """The real launcher, 2 ranks, each holding its own shard of the offloaded blocks."""
+    """The real launcher, 2 ranks, each holding its own shard of the offloaded blocks, as many
+    as `--gpu-mem` leaves no room for (the default model.offload_blocks = -1)."""
+    from mpinfer.model.bloom import BloomShape
+    from mpinfer.model.memory import block_bytes
+
+    shape = BloomShape.from_config(json.loads((deep["hf"] / "config.json").read_text()))
+    cfg = load_config(None, ['quant.method="int8"', "model.offload_depth=1"])
+    full = plan_memory(shape, cfg, tp_size=2, budget=0)
+    budget = full.one_slot - 3 * block_bytes(shape, cfg, 2) + 1  # 3 blocks over, and the ring
     plain, _ = generate(deep["hf"], nproc=2)
-    offloaded, proc = generate(deep["hf"], "model.offload_blocks=4", "model.offload_depth=1",
-                               nproc=2)  # fmt: skip
+    offloaded, proc = generate(deep["hf"], "model.offload_depth=1", nproc=2,
+                               gpu_mem=str(budget))  # fmt: skip
     assert [r["text"] for r in offloaded] == [r["text"] for r in plain]
     assert "4 of 6 blocks in host memory" in proc.stderr
 
@@ -131,7 +141,8 @@ def test_the_planner_offloads_as_few_blocks_as_the_budget_needs(monkeypatch):
     assert plan.offload == off and plan.fits
     # Everything fits: nothing offloaded; offloading off: the old refusal.
     assert plan_offload(shape, cfg, tp_size=8, budget=24 * GIB) is None
-    off_cfg = load_config(str(ROOT / "configs/bloom-176b-8x24gb.toml"), ["parallel.tp_size=1"])
+    off_cfg = load_config(str(ROOT / "configs/bloom-176b-8x24gb.toml"),
+                          ["parallel.tp_size=1", "model.offload_blocks=0"])  # fmt: skip
     with pytest.raises(ValueError, match="does not fit: needs"):
         check_fits(shape, off_cfg, tp_size=1, device=_FakeGpu(budget))
 
