@@ -123,6 +123,10 @@ def finish_model(model: BloomModel, device: torch.device, off: OffloadPlan | Non
             ", page-locked" if arena is not None and arena.pinned else "",
             model.offload.depth,
         )
+        if gbps := model.offload.measure():
+            log.info("host-to-GPU copies at %.1f GB/s: a step copies %.2f GiB, so it takes at "
+                     "least %.0f ms at any batch", gbps, off.host_bytes / 2**30,
+                     off.copy_ms(gbps))  # fmt: skip
 
 
 def agree_on_model(cfg: RunConfig, ctx: DistContext) -> tuple[BloomShape, int, HFCheckpoint | None]:
