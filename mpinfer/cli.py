@@ -29,6 +29,7 @@ from .model.bloom import BloomShape
 from .model.memory import (
     COMMON_GPUS,
     GIB,
+    check_host_memory,
     plan_memory,
     plan_offload,
     plan_table,
@@ -290,6 +291,9 @@ def plan_main(argv: list[str]) -> int:
     p.add_argument("--host-gbps", type=float, default=25.0,
                    help="host-to-GPU copy speed for the offload estimate (default 25: PCIe 4 "
                    "x16; an H200 measured 55)")  # fmt: skip
+    p.add_argument("--host-mem", metavar="SIZE",
+                   help="host RAM free for the offloaded blocks of all tp ranks (default: what "
+                   "this machine has available)")  # fmt: skip
     p.add_argument("--gpu-tbps", type=float, default=0.9,
                    help="GPU memory speed for the offload estimate (default 0.9: a 24 GB RTX "
                    "3090/4090)")  # fmt: skip
@@ -335,6 +339,9 @@ def plan_main(argv: list[str]) -> int:
     tp = tp or 1
     try:
         off = plan_offload(shape, cfg, tp_size=tp, budget=budget)
+        # Every rank of the group on one host, each pinning its own share of the blocks.
+        have = parse_bytes(a.host_mem, "--host-mem") if a.host_mem else None
+        check_host_memory(off, ranks=tp, available=have)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

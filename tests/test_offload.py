@@ -253,3 +253,16 @@ def test_a_failed_copy_fails_every_request_of_the_step_not_a_wrong_answer(deep):
         assert all("host-to-device copy failed" in e.error for e in ends)
     finally:
         teardown()
+
+
+def test_plan_refuses_a_host_without_the_ram_to_pin_the_blocks(capsys):
+    from mpinfer.cli import main as mpinfer_main
+
+    args = ["plan", "--config", str(ROOT / "configs/bloom-176b-8x24gb.toml"), "--tp", "1",
+            "--gpu-mem", "139GiB"]  # fmt: skip
+    assert mpinfer_main(args + ["--host-mem", "40GiB"]) == 1
+    err = capsys.readouterr().err
+    assert "not enough host memory to hold the offloaded blocks: needs 42.4 GiB" in err
+    assert mpinfer_main(args + ["--host-mem", "43GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "blocks in host memory             18 of 70" in out and "step at batch 32" in out

@@ -166,13 +166,16 @@ def with_offload(plan: MemoryPlan, off: OffloadPlan | None) -> MemoryPlan:
     return dataclasses.replace(plan, items=items, offload=off)
 
 
-def check_host_memory(off: OffloadPlan | None) -> None:
-    """Refuse, before loading, an offload plan whose pinned host memory this host lacks (every
-    rank on it pins its own share)."""
+def check_host_memory(off: OffloadPlan | None, *, ranks: int | None = None,
+                      available: int | None = None) -> None:  # fmt: skip
+    """Refuse, before loading, an offload plan whose pinned host memory the host lacks: every
+    one of `ranks` (default: the ranks on this host) pins its own share, out of `available`
+    bytes (default: what this host has available now)."""
     if off is None:
         return
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    need, have = off.host_bytes * ranks + GIB, psutil.virtual_memory().available
+    ranks = ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    have = psutil.virtual_memory().available if available is None else available
+    need = off.host_bytes * ranks + GIB
     if need > have:
         raise ValueError(
             f"not enough host memory to hold the offloaded blocks: needs {need / GIB:.1f} GiB "

@@ -72,7 +72,10 @@ class HostArena:
             torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
 
     def __del__(self):
-        self.close()
+        try:
+            self.close()
+        except Exception:  # at interpreter exit CUDA may be gone; the process frees it all
+            pass
 
 
 class Offload:
