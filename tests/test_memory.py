@@ -54,7 +54,7 @@ def test_plan_command_prints_gib_lines_and_fails_when_too_small(capsys):
     assert code == 1 and "does not fit: needs 44.40 GiB per GPU, has 24.00; try tp=8" in out
     # By default the planner puts blocks in host memory instead, and says what would not.
     code = mpinfer_main(["plan", "--config", str(ROOT / "configs/bloom-176b-8x24gb.toml"),
-                         "--tp", "4"])  # fmt: skip
+                         "--tp", "4", "--host-mem", "512GiB"])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0 and "blocks in host memory             38 of 70" in out
     assert "every block on the GPU would need 44.40 GiB per GPU, has 24.00: try tp=8" in out
