@@ -23,6 +23,7 @@ the arena (checkpoint/loader.py).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -72,10 +73,10 @@ class HostArena:
             torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
 
     def __del__(self):
-        try:
+        # At interpreter exit torch's CUDA bindings may already be torn down; the process's
+        # exit releases the page lock then anyway.
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:  # at interpreter exit CUDA may be gone; the process frees it all
-            pass
 
 
 class Offload:
