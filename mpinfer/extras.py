@@ -23,9 +23,14 @@ LAZY: dict[str, tuple[str, str]] = {
     "pynvml": ("", "GPU utilization in the served benchmark (nvidia-ml-py; optional there)"),
     # A dependency, imported only when --model names a Hub model (it takes half a second).
     "huggingface_hub": ("", "a Hub model id as --model"),
+    # Other libraries' kernels, timed beside ours by `mpinfer bench kernels --candidates`.
+    "torchao": ("", "a candidate kernel of mpinfer bench kernels"),
+    "gemlite": ("", "a candidate kernel of mpinfer bench kernels"),
+    "humming": ("", "a candidate kernel of mpinfer bench kernels (humming-kernels)"),
     # The kernels themselves import Triton at the top, so they are imported on a GPU only.
-    "mpinfer.model.kernels.w8a16": ("", "the int8 decode matmul on a GPU"),
-    "mpinfer.model.kernels.dequant": ("", "the int8 prefill path on a GPU"),
+    "mpinfer.model.kernels.w8a16": ("", "the int8 matmul on a GPU"),
+    "mpinfer.model.kernels.w4a16": ("", "the int4 matmul on a GPU"),
+    "mpinfer.model.kernels.launch": ("", "the matmuls' shared epilogue on a GPU"),
     "mpinfer.model.kernels.attention": ("", "the decode attention on a GPU"),
     "mpinfer.model.kernels.layernorm": ("", "the decode LayerNorm on a GPU"),
 }

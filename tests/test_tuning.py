@@ -1,72 +1,120 @@
-"""The W8A16 config names and the shipped per-GPU tables (kernels/tuning.py), on the CPU: every
-table entry must name a variant the GPU tests cover and be able to run the launch it is for."""
+"""The matmul kernels' config names, the default rule and the shipped per-GPU tables
+(kernels/tuning.py), on the CPU: every table entry must name a variant the GPU tests cover and be
+able to run the launch it is for."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-import torch
 
 from mpinfer.model.kernels import tuning
 
 
+def _name_sets():
+    return [
+        tuning.names(tuning.SWEEP_FAMILIES, tuning.SWEEP_SPLITS, "float16"),
+        tuning.names(tuning.TILED_FAMILIES, tuning.TILED_SPLITS, "float16"),
+        tuning.names(tuning.INT4_FAMILIES, tuning.SWEEP_SPLITS, "float16", bits=4),
+    ]
+
+
+def _all_names():
+    return [n for names in _name_sets() for n in names]
+
+
 def test_every_sweep_config_name_round_trips():
-    all_names = tuning.names(tuning.SWEEP_FAMILIES, tuning.SWEEP_SPLITS, "float16")
-    assert len(set(all_names)) == len(all_names)
+    for names in _name_sets():
+        assert len(set(names)) == len(names)
+    all_names = _all_names()
     for n in all_names:
         kw, warps, stages = tuning.parse(n)
         assert tuning.name(kw, warps, stages) == n
     bf16 = tuning.names(tuning.SWEEP_FAMILIES, (1,), "bfloat16")
     assert {n.split()[5] for n in bf16} == {"magic0", "magic2"}  # the Triton-op trick is fp16 only
     assert {n.split()[5] for n in all_names} == {"magic0", "magic1", "magic2"}
-
-
-def test_the_autotuner_tries_only_conversions_its_dtype_can_use():
-    for dtype in ("float16", "bfloat16"):
-        assert set(tuning.AUTOTUNE_MAGIC[dtype]) <= set(tuning.magics(dtype)), dtype
-        assert 2 in tuning.AUTOTUNE_MAGIC[dtype]  # packed PTX won launches of both dtypes
-    assert tuning.dtype_name(torch.bfloat16) == "bfloat16"
+    int4 = tuning.names(tuning.INT4_FAMILIES, (1,), "bfloat16", bits=4, group=64)
+    assert {n.split()[5] for n in int4} == {"magic0"} and {n.split()[2] for n in int4} == {"k64"}
+    assert tuning.parse("swap n128 k64 split1 pf0 magic2 w8 s3 m128")[0]["BLOCK_M"] == 128
 
 
 @pytest.mark.parametrize("bad", ["", "dot n64 k128", "mma n64 k128 split1 pf0 magic0 w4 s3",
                                  "dot n64 k128 split1 pf0 magic0 w4 s3 extra"])  # fmt: skip
 def test_a_bad_config_name_is_refused_by_name(bad):
-    with pytest.raises(ValueError, match="not a W8A16 config name"):
+    with pytest.raises(ValueError, match="not a kernel config name"):
         tuning.parse(bad)
 
 
 @pytest.mark.parametrize(
-    "config, rows, N, K, dtype, why",
-    [("fma n8 k512 split1 pf1 magic0 w4 s1", 2, 4096, 4096, "float16", "one row"),
-     ("swap n64 k128 split1 pf0 magic0 w4 s4", 1, 4096, 4096, "float16", "several rows"),
-     ("dot n64 k128 split1 pf0 magic1 w4 s3", 1, 4096, 4096, "bfloat16", "fp16 only"),
-     ("dot n64 k128 split2 pf0 magic0 w4 s3", 64, 250880, 4096, "float16", "workspace"),
-     # 2 rows share the 16-row bucket's config: its partials must fit at 16 rows (176B, tp 1)
-     ("dot n64 k128 split8 pf0 magic0 w4 s3", 2, 57344, 14336, "float16", "workspace"),
-     ("dot n64 k256 split8 pf0 magic0 w4 s3", 1, 4096, 1792, "float16", "shorter than one"),
-     ("dot n64 k256 split4 pf0 magic0 w4 s3", 1, 4096, 1792, "float16", None),
-     ("fma n8 k512 split1 pf1 magic1 w4 s1", 1, 250880, 4096, "float16", None),
-     ("dot n64 k128 split1 pf0 magic2 w4 s3", 1, 4096, 4096, "bfloat16", None)],
+    "config, rows, N, K, dtype, bits, why",
+    [("fma n8 k512 split1 pf1 magic0 w4 s1", 2, 4096, 4096, "float16", 8, "one row"),
+     ("swap n64 k128 split1 pf0 magic0 w4 s4", 1, 4096, 4096, "float16", 8, "several rows"),
+     ("dot n64 k128 split1 pf0 magic1 w4 s3", 1, 4096, 4096, "bfloat16", 8, "fp16 only"),
+     ("dot n64 k128 split1 pf0 magic2 w4 s3", 16, 4096, 4096, "float16", 4, "int8 only"),
+     ("dot n64 k128 split2 pf0 magic0 w4 s3", 64, 250880, 4096, "float16", 8, "workspace"),
+     # 17 rows share the 32-row bucket's config: its partials must fit at 32 rows (176B, tp 1)
+     ("dot n64 k128 split8 pf0 magic0 w4 s3", 17, 57344, 14336, "float16", 8, "workspace"),
+     ("dot n64 k256 split8 pf0 magic0 w4 s3", 1, 4096, 1792, "float16", 8, "shorter than one"),
+     ("dot n64 k128 split1 pf0 magic0 w4 s3", 100, 4096, 4096, "float16", 8, "need a BLOCK_M"),
+     ("dot n64 k128 split1 pf0 magic0 w4 s3 m64", 64, 4096, 4096, "float16", 8, "for more"),
+     ("dot n64 k64 split1 pf0 magic0 w4 s3", 16, 4096, 4096, "float16", 4, "group size (128)"),
+     # more rows than the largest bucket: the partials must fit at the launch's own rows
+     ("swap n128 k64 split2 pf0 magic0 w8 s3 m128", 2048, 4096, 4096, "float16", 8, "workspace"),
+     ("dot n64 k256 split4 pf0 magic0 w4 s3", 1, 4096, 1792, "float16", 8, None),
+     ("fma n8 k512 split1 pf1 magic1 w4 s1", 1, 250880, 4096, "float16", 8, None),
+     ("dot n64 k128 split1 pf0 magic2 w4 s3", 1, 4096, 4096, "bfloat16", 8, None),
+     ("swap n128 k128 split3 pf0 magic1 w8 s3 m64", 576, 5376, 14336, "float16", 4, "workspace"),
+     ("swap n128 k128 split2 pf0 magic1 w8 s3 m64", 300, 5376, 14336, "float16", 4, None),
+     ("swap n128 k64 split1 pf0 magic0 w8 s3 m128", 5000, 4096, 4096, "bfloat16", 8, None)],
 )  # fmt: skip
-def test_illegal_names_what_stops_a_config(config, rows, N, K, dtype, why):
-    got = tuning.illegal(config, rows, N, K, dtype)
+def test_illegal_names_what_stops_a_config(config, rows, N, K, dtype, bits, why):
+    got = tuning.illegal(config, rows, N, K, dtype, bits=bits, group=128 if bits == 4 else 0)
     assert (got is None) if why is None else (why in got)
 
 
 def test_keys_follow_the_row_buckets():
-    assert [tuning.row_bucket(r) for r in (1, 2, 16, 17, 32, 33, 64)] == [
-        1, 16, 16, 32, 32, 64, 64]  # fmt: skip
+    rows = (1, 2, 16, 17, 32, 33, 64, 65, 128, 129, 576, 1024, 5000)
+    assert [tuning.row_bucket(r) for r in rows] == [
+        1, 16, 16, 32, 32, 64, 64, 128, 128, 256, 1024, 1024, 1024]  # fmt: skip
     assert tuning.key("bfloat16", 8, 12288, 4096) == "bfloat16 m16 12288x4096"
-    with pytest.raises(AssertionError, match="65 rows"):
-        tuning.row_bucket(65)  # more rows than a decode launch has
+    assert tuning.key("float16", 300, 12288, 4096, bits=4, group=128) == (
+        "int4g128 float16 m512 12288x4096"
+    )
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_default_rule_is_legal_and_fills_the_gpu_for_every_bucket(bits):
+    """A launch no table has gets `default_config`: a function of the shape and the GPU's
+    size only (no timing at start-up), legal at its whole bucket, with enough programs for
+    every SM where a legal split allows it."""
+    from mpinfer.tools.kernelbench import DEFAULT_MODELS, models_shapes
+
+    shapes = list(models_shapes(DEFAULT_MODELS).values()) + [(1000, 2048, ""), (96, 256, "")]
+    for N, K, _ in shapes:
+        for rows in (1, 2, 16, 33, 64, 65, 200, 576, 3000):
+            for dtype in ("float16", "bfloat16"):
+                group = 128 if bits == 4 else 0
+                config = tuning.default_config(rows, N, K, dtype, 132, bits=bits, group=group)
+                assert config == tuning.default_config(rows, N, K, dtype, 132, bits=bits,
+                                                       group=group)  # fmt: skip
+                why = tuning.illegal(config, rows, N, K, dtype, bits=bits, group=group)
+                assert why is None, (N, K, rows, dtype, config, why)
+                kw, _, _ = tuning.parse(config)
+                tiles = -(-N // kw["BLOCK_N"]) * (-(-rows // tuning.block_m(kw, rows))
+                                                  if kw["USE_DOT"] else 1)  # fmt: skip
+                more = kw["split_k"] * 2 if kw["split_k"] > 1 else 2
+                bigger = config.replace(f"split{kw['split_k']} ", f"split{more} ")
+                assert tiles * kw["split_k"] >= 132 or tuning.illegal(
+                    bigger, rows, N, K, dtype, bits=bits, group=group) or kw["split_k"] == 8, (
+                    N, K, rows, config)  # fmt: skip
 
 
 def test_every_shipped_table_is_runnable_and_covered_by_the_gpu_tests():
     tables = sorted(tuning.TABLE_DIR.glob("*.json"))
     assert tables, f"no tuned table under {tuning.TABLE_DIR}"
-    families = {tuning.parse(n)[1:] + tuple(sorted(tuning.parse(n)[0].items()))
-                for n in tuning.names(tuning.SWEEP_FAMILIES, (1,), "float16")}  # fmt: skip
+    families = {tuning.parse(n)[1:] + tuple(sorted(dict(tuning.parse(n)[0], split_k=1).items()))
+                for n in _all_names() + tuning.names(tuning.SWEEP_FAMILIES + tuning.TILED_FAMILIES,
+                                                     (1,), "bfloat16")}  # fmt: skip
     for path in tables:
         data = json.loads(path.read_text())
         assert path.stem == tuning.slug(data["gpu"]), path
@@ -74,12 +122,16 @@ def test_every_shipped_table_is_runnable_and_covered_by_the_gpu_tests():
         for key, config in data["configs"].items():
             m = tuning._KEY.fullmatch(key)
             assert m, (path, key)
-            dtype, bucket, N, K = m[1], int(m[2]), int(m[3]), int(m[4])
+            group, dtype, bucket, N, K = int(m[1] or 0), m[2], int(m[3]), int(m[4]), int(m[5])
+            bits = 4 if group else 8
             assert bucket in tuning.ROW_BUCKETS, (path, key)
             # legal at the bucket's largest row count is legal at every smaller one
-            assert tuning.illegal(config, bucket, N, K, dtype) is None, (path, key, config)
+            why = tuning.illegal(config, bucket, N, K, dtype, bits=bits, group=group)
+            assert why is None, (path, key, config, why)
             kw, warps, stages = tuning.parse(config)
-            family = (warps, stages) + tuple(sorted(dict(kw, split_k=1).items()))
+            family = (warps, stages) + tuple(
+                sorted(dict(kw, split_k=1, BLOCK_K=kw["BLOCK_K"] if bits == 8 else 128).items())
+            )
             assert family in families, (path, key, config)
 
 
@@ -109,11 +161,11 @@ def test_lookup_uses_the_table_of_the_gpu_it_runs_on(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("text, what", [
-    ("{", "not a W8A16 config table"),
+    ("{", "not a kernel config table"),
     ('{"gpu": "Some GPU", "configs": {"float16 m8 4096x4096": "dot n64 k128 split1 pf0 magic0 '
      'w4 s3"}}', "bad key 'float16 m8 4096x4096'"),
     ('{"gpu": "Some GPU", "configs": {"float16 m1 4096x4096": "dot n64"}}',
-     "not a W8A16 config name: 'dot n64'"),
+     "not a kernel config name: 'dot n64'"),
     ('{"gpu": "Some GPU"}', "configs"),
 ])  # fmt: skip
 def test_a_broken_table_is_an_error_naming_the_file(tmp_path, monkeypatch, text, what):
@@ -121,7 +173,7 @@ def test_a_broken_table_is_an_error_naming_the_file(tmp_path, monkeypatch, text,
     monkeypatch.setattr(tuning, "TABLE_DIR", tmp_path)
     tuning.table.cache_clear()
     try:
-        with pytest.raises(ValueError, match="some-gpu.json: not a W8A16 config table") as e:
+        with pytest.raises(ValueError, match="some-gpu.json: not a kernel config table") as e:
             tuning.lookup("Some GPU", "float16", 1, 4096, 4096)
         assert what in str(e.value)
     finally:
@@ -138,11 +190,16 @@ def test_the_benchmarked_matmuls_are_the_loaders_shards_and_the_h200_table_cover
     assert shapes["176b/8 dense"] == (14336, 14336 // 8, "residual")
     assert shapes["176b/8 fc1"] == (4 * 14336 // 8, 14336, "gelu")
     assert shapes["176b/8 lm_head"] == (250880 // 8, 14336, "")
+    from mpinfer.tools.kernelbench import runs_as
+
     configs = json.loads((tuning.TABLE_DIR / "nvidia-h200.json").read_text())["configs"]
-    for N, K, _ in shapes.values():
+    for name, (N, K, _) in shapes.items():
         for dtype in ("float16", "bfloat16"):
             for bucket in tuning.ROW_BUCKETS:
-                assert tuning.key(dtype, bucket, N, K) in configs, (dtype, bucket, N, K)
+                for bits in (8, 4):
+                    if runs_as(name, bucket, bits):
+                        key = tuning.key(dtype, bucket, N, K, bits=bits, group=128)
+                        assert key in configs, key
 
 
 def test_matmul_shapes_from_a_config_json_and_bad_models(tmp_path):

@@ -1,11 +1,13 @@
-"""`mpinfer bench kernels`: the decode matmul alone, per weight shape of bloom-7b1 and of one
-BLOOM-176B tp-8 rank, at 1, 8 and 32 rows: mpinfer's W8A16 kernel against cuBLAS fp16 on the
-same shape, and both against the device-to-device copy bandwidth measured in the same run.
+"""`mpinfer bench kernels`: the weight-only matmuls alone, per weight shape of bloom-7b1 and of
+one BLOOM-176B tp-8 rank, at every row count a step has (1, 16, 64 decode rows; 128, 256, 576
+tokens of a mixed step): mpinfer's W8A16 and W4A16 kernels against cuBLAS fp16 on the same
+shape, against the device-to-device copy bandwidth measured in the same run, and beside the
+other libraries' kernels that install from the registries (kernelcands.py), where they import.
 
 Each kernel is timed inside a CUDA graph (launch overhead would otherwise dominate a 5 us
 kernel) that cycles through enough copies of the weight to overflow the L2 cache, so every call
-reads its weight from HBM as in a real decode step. The autotuner's pick and its timing of every
-candidate config go to the JSON (what the config list in kernels/w8a16.py is chosen from).
+reads its weight from HBM as in a real decode step. `--tune` sweeps every legal config of each
+launch instead and writes the winners into the GPU's table (tuning.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from ..model.bloom import BloomShape
 from ..model.kernels import tuning
 from ..model.kernels.tuning import attention_splits, sm_count
 from ..model.sharding import shard_specs
+from . import kernelcands
+from .kernelcands import CANDIDATES
 from .randmodel import SHAPES as ARCHS
 from .report import machine, md_table, measure_ceilings, save_result
 
@@ -57,8 +61,7 @@ def model_shapes(model: str, tp: int = 1) -> dict[str, tuple[int, int, str]]:
     shape.check_tp(tp)
     prefix = label if tp == 1 else f"{label}/{tp}"
     out = {}
-    for spec in shard_specs(dataclasses.replace(shape, n_layer=1), tp, quantize=True,
-                            quantize_embeddings=True):  # fmt: skip
+    for spec in shard_specs(dataclasses.replace(shape, n_layer=1), tp, embeddings="int8"):
         matrix = spec.name.removeprefix("h.0.").removesuffix(".weight")
         if matrix in MATRICES:
             short, epilogue = MATRICES[matrix]
@@ -77,6 +80,13 @@ def models_shapes(models: str) -> dict[str, tuple[int, int, str]]:
                              "integer")  # fmt: skip
         out.update(model_shapes(model, int(tp or 1)))
     return out
+
+
+def runs_as(name: str, rows: int, bits: int) -> bool:
+    """Whether the model ever launches this matmul with this many rows and bits: the LM head
+    runs the rows that sample (at most the slots) or 64 prompt positions at a time, and its
+    weight is the embedding's, which is int8 or the compute dtype, never int4."""
+    return not name.endswith("lm_head") or (bits == 8 and rows <= tuning.SINGLE_TILE)
 
 
 def graph_time_us(make_call, copies: int, calls: int = 24, reps: int = 10) -> float:
@@ -108,104 +118,125 @@ def _copies(read_bytes: int, l2_bytes: int) -> int:
     return max(2, -(-3 * l2_bytes // read_bytes))
 
 
-def _operands(name, N, K, epilogue, M, dtype, copies):
-    """Random operands of one matmul of the model: `copies` int8 weights, the LM head without a
-    bias, a residual for the layers that fuse one."""
+def _operands(name, N, K, epilogue, M, dtype, copies, bits: int = 8, group: int = 128):
+    """Random operands of one matmul of the model: `copies` quantized weights (int8 rows and
+    their scales, or packed int4 with group scales and offsets), the LM head without a bias, a
+    residual for the layers that fuse one."""
     g = torch.Generator(device="cuda").manual_seed(N + K + M)
-    qs = [torch.randint(-127, 128, (N, K), dtype=torch.int8, device="cuda", generator=g)
-          for _ in range(copies)]  # fmt: skip
-    scale = torch.rand(N, device="cuda", generator=g) / 1000
+    if bits == 8:
+        ws = [(torch.randint(-127, 128, (N, K), dtype=torch.int8, device="cuda", generator=g),
+               torch.rand(N, device="cuda", generator=g) / 1000)
+              for _ in range(copies)]  # fmt: skip
+    else:
+        ws = [(torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device="cuda", generator=g),
+               (torch.rand(K // group, N, device="cuda", generator=g) / 100).half(),
+               (torch.rand(K // group, N, device="cuda", generator=g) / -10).half())
+              for _ in range(copies)]  # fmt: skip
     x = torch.randn(M, K, device="cuda", generator=g, dtype=dtype)
     bias = None if name.endswith("lm_head") else torch.randn(N, device="cuda", dtype=dtype)
     res = torch.randn(M, N, device="cuda", dtype=dtype) if epilogue == "residual" else None
-    return g, qs, scale, x, bias, res
+    return g, ws, x, bias, res
 
 
-def bench_shape(name, N, K, epilogue, M, dtype, l2_bytes) -> dict:
-    from ..model.kernels import w8a16  # Triton: GPU only
+def quant_bytes(N: int, K: int, bits: int, group: int = 128) -> int:
+    """What a quantized matmul reads of its weight: int8 and a row scale, or int4 and a group's
+    fp16 scale and offset."""
+    return N * K + 4 * N if bits == 8 else N * K // 2 + 4 * N * (K // group)
 
-    g, qs, scale, x, bias, res = _operands(name, N, K, epilogue, M, dtype, _copies(N * K, l2_bytes))
-    gelu = epilogue == "gelu"
-    w_bytes = N * K
+
+def run_quant(bits, x, w, bias, *, gelu=False, residual=None, config=None):
+    """One launch of mpinfer's kernel of `bits` on a weight `w` as `_operands` makes them."""
+    from ..model.kernels import w4a16, w8a16  # Triton: GPU only
+
+    if bits == 8:
+        return w8a16.w8a16_matmul(x, *w, bias, gelu=gelu, residual=residual, config=config)
+    return w4a16.w4a16_matmul(x, *w, bias, gelu=gelu, residual=residual, config=config)
+
+
+def chosen_config(x, N, K, bits, group) -> str:
+    from ..model.kernels import launch
+
+    return launch._chosen(torch.cuda.current_device(), tuning.dtype_name(x.dtype), x.shape[0],
+                            N, K, bits, group if bits == 4 else 0)  # fmt: skip
+
+
+def bench_shape(name, N, K, epi, M, dtype, l2_bytes, *, bits: int = 8, group: int = 128,
+                candidates: tuple = ()) -> dict:  # fmt: skip
+    w_bytes = quant_bytes(N, K, bits, group)
+    g, ws, x, bias, res = _operands(name, N, K, epi, M, dtype, _copies(w_bytes, l2_bytes), bits,
+                                    group)  # fmt: skip
+    gelu = epi == "gelu"
 
     def ours(i):
-        return w8a16.w8a16_matmul(x, qs[i], scale, bias, gelu=gelu, residual=res)
+        return run_quant(bits, x, ws[i], bias, gelu=gelu, residual=res)
 
-    ours(0)  # the table's config, or autotuning
-    dt = tuning.dtype_name(dtype)
-    tuned = w8a16._table_config(torch.cuda.current_device(), dt, M, N, K)  # as the launch did
-    if tuned:
-        best, timings = f"{tuned} (table)", []
-    else:
-        tuner = w8a16._w8a16_kernel
-        timings = sorted(
-            ((config_text(c), t[0] if isinstance(t, list) else t)
-             for c, t in getattr(tuner, "configs_timings", {}).items()),
-            key=lambda ct: ct[1],
-        )  # fmt: skip
-        best = config_text(tuner.best_config)
-    us = graph_time_us(ours, len(qs))
-    qs.clear()  # free the int8 copies before the fp16 ones
-    ws = [torch.randn(N, K, device="cuda", generator=g, dtype=dtype)
-          for _ in range(_copies(2 * w_bytes, l2_bytes))]  # fmt: skip
+    config = chosen_config(x, N, K, bits, group)
+    us = graph_time_us(ours, len(ws))
+    ws.clear()  # free the quantized copies before the fp16 ones
+    w16 = [torch.randn(N, K, device="cuda", generator=g, dtype=dtype)
+           for _ in range(_copies(2 * N * K, l2_bytes))]  # fmt: skip
 
     def cublas(i):
-        y = F.linear(x, ws[i], bias)
+        y = F.linear(x, w16[i], bias)
         if gelu:
             y = F.gelu(y, approximate="tanh")
         return y + res if res is not None else y
 
-    us16 = graph_time_us(cublas, len(ws))
-    ws.clear()
+    us16 = graph_time_us(cublas, len(w16))
+    cands = {}
+    for cand in candidates:  # the same launch through each library that installs here
+        copies = _copies(quant_bytes(N, K, bits, group), l2_bytes)
+        cands[cand] = kernelcands.time_candidate(cand, w16[0], bias, x, group, copies,
+                                                 graph_time_us)  # fmt: skip
+    w16.clear()
     torch.cuda.empty_cache()
     return {
-        "shape": name, "N": N, "K": K, "M": M, "dtype": dt,
-        "epilogue": epilogue or "bias",
-        "int8_us": us, "int8_GBps": (w_bytes + 4 * N) / us / 1e3,
-        "fp16_us": us16, "fp16_GBps": 2 * w_bytes / us16 / 1e3,
-        "config": best, "autotune_ms": timings,
+        "shape": name, "N": N, "K": K, "M": M, "dtype": tuning.dtype_name(dtype),
+        "quant": f"int{bits}", "epilogue": epi or "bias", "us": us, "GBps": w_bytes / us / 1e3,
+        "fp16_us": us16, "fp16_GBps": 2 * N * K / us16 / 1e3, "vs_fp16": us / us16,
+        "config": config, "candidates_us": cands,
     }  # fmt: skip
 
 
 def _compile(task) -> str | None:
-    """Worker process: compile one kernel variant by launching it once on empty operands (the
+    """Worker process: compile one kernel variant by launching it once on random operands (the
     binary lands in Triton's on-disk cache, where the tuning process finds it). None, or why
     the variant cannot run."""
-    name, N, K, epilogue, M, dtype, config = task
-    from ..model.kernels import w8a16  # Triton: GPU only
-
-    _, (q,), scale, x, bias, res = _operands(name, N, K, epilogue, M, getattr(torch, dtype), 1)
+    name, N, K, epilogue, M, dtype, config, bits, group = task
+    _, (w,), x, bias, res = _operands(name, N, K, epilogue, M, getattr(torch, dtype), 1, bits,
+                                      group)  # fmt: skip
     try:
-        w8a16.w8a16_matmul(x, q, scale, bias, gelu=epilogue == "gelu", residual=res,
-                           config=config)  # fmt: skip
+        run_quant(bits, x, w, bias, gelu=epilogue == "gelu", residual=res, config=config)
         torch.cuda.synchronize()
     except Exception as e:  # e.g. a tile that needs more shared memory than the GPU has
         return f"{type(e).__name__}: {str(e)[:200]}"
     return None
 
 
-def tune(shapes: dict, keys: list, l2_bytes: int, table_path: str, vs_autotune: bool) -> dict:
-    """Time every legal sweep config (tuning.SWEEP_FAMILIES x SWEEP_SPLITS) of each launch in a
-    CUDA graph with the weight from HBM, re-time the five fastest and the autotuner's pick four
-    times more (interleaved), keep the lowest median; write the winners as the GPU's table.
-    shapes: name -> (N, K, epilogue) as model_shapes gives; keys: (shape name, M, dtype)
-    triples. The table is rewritten after every key, so a run that runs out of time keeps what
-    it finished."""
+def tune(shapes: dict, keys: list, l2_bytes: int, table_path: str, *, bits: int = 8,
+         group: int = 128) -> dict:  # fmt: skip
+    """Time every legal sweep config (tuning.candidates) of each launch in a CUDA graph with the
+    weight from HBM, re-time the five fastest and the default rule's pick four times more
+    (interleaved), keep the lowest median; write the winners into the GPU's table. shapes:
+    name -> (N, K, epilogue) as model_shapes gives; keys: (shape name, M, dtype) triples. The
+    table is rewritten after every key, so a run that runs out of time keeps what it finished."""
     gpu = torch.cuda.get_device_name()
     t0 = time.time()
+    grp = group if bits == 4 else 0
     plan = []
     for shape, M, dtype in keys:
         N, K, epi = shapes[shape]
         dt = tuning.dtype_name(dtype)
-        cands = [c for c in tuning.names(tuning.SWEEP_FAMILIES, tuning.SWEEP_SPLITS, dt)
-                 if not tuning.illegal(c, M, N, K, dt)]  # fmt: skip
+        cands = [c for c in tuning.candidates(tuning.row_bucket(M), dt, bits=bits, group=group)
+                 if not tuning.illegal(c, M, N, K, dt, bits=bits, group=grp)]  # fmt: skip
         plan.append((shape, N, K, epi, M, dtype, dt, cands))
-    # Compile every variant in parallel first (one per family, row count, dtype and epilogue:
+    # Compile every variant in parallel first (one per family, row tile, dtype and epilogue:
     # the split is a runtime argument, and N and K only matter through K % BLOCK_K).
     variants = {}
     for shape, N, K, epi, M, _, dt, cands in plan:
         for c in cands:
-            variants.setdefault(_variant(shape, K, epi, M, dt, c), (shape, N, K, epi, M, dt, c))
+            variants.setdefault(_variant(shape, K, epi, M, dt, c),
+                                (shape, N, K, epi, M, dt, c, bits, group))  # fmt: skip
     workers = max(1, min(16, (os.cpu_count() or 2) - 1))
     with mp.get_context("spawn").Pool(workers) as pool:
         errors = pool.map(_compile, list(variants.values()), chunksize=1)
@@ -222,9 +253,10 @@ def tune(shapes: dict, keys: list, l2_bytes: int, table_path: str, vs_autotune: 
     rows = []
     for shape, N, K, epi, M, dtype, dt, cands in plan:
         runnable = [c for c in cands if _variant(shape, K, epi, M, dt, c) not in broken]
-        row = _tune_launch(shape, N, K, epi, M, dtype, dt, runnable, l2_bytes, vs_autotune)
+        row = _tune_launch(shape, N, K, epi, M, dtype, dt, runnable, l2_bytes, bits, group)
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if "_us" not in k or k == "autotune_us"}),
+        print(json.dumps({k: v for k, v in row.items() if k not in ("leaders_us",
+                                                                    "candidates_us")}),
               flush=True)  # fmt: skip
         table["configs"][row["key"]] = row["config"]
         Path(table_path).parent.mkdir(parents=True, exist_ok=True)
@@ -238,36 +270,33 @@ def tune(shapes: dict, keys: list, l2_bytes: int, table_path: str, vs_autotune: 
 def _variant(shape, K, epi, M, dt, config) -> tuple:
     """What a compiled kernel depends on: everything but the split (a runtime argument); N and
     K only through K % BLOCK_K (all the shapes' N and K are multiples of 16)."""
-
     kw, w, st = tuning.parse(config)
     family = (kw["USE_DOT"], kw["SWAP"], kw["BLOCK_N"], kw["BLOCK_K"], kw["PREFETCH"],
-              kw["MAGIC"], w, st, K % kw["BLOCK_K"] == 0)  # fmt: skip
-    return (dt, M, epi, shape.endswith("lm_head"), family)
+              kw["MAGIC"], tuning.block_m(kw, M), w, st, K % kw["BLOCK_K"] == 0)  # fmt: skip
+    return (dt, epi, shape.endswith("lm_head"), family)
 
 
-def _tune_launch(shape, N, K, epi, M, dtype, dt, cands, l2_bytes, vs_autotune) -> dict:
-    from ..model.kernels import w8a16  # Triton: GPU only
-
-    _, qs, scale, x, bias, res = _operands(shape, N, K, epi, M, dtype, _copies(N * K, l2_bytes))
+def _tune_launch(shape, N, K, epi, M, dtype, dt, cands, l2_bytes, bits, group) -> dict:
+    w_bytes = quant_bytes(N, K, bits, group)
+    _, ws, x, bias, res = _operands(shape, N, K, epi, M, dtype, _copies(w_bytes, l2_bytes),
+                                    bits, group)  # fmt: skip
     gelu = epi == "gelu"
-    calls = max(len(qs), min(24, int(2e3 / (N * K / 3e6))))  # about 2 ms of graph
+    work_us = max(w_bytes / 3e3, 2 * M * N * K / 6e8)  # about the launch's own time
+    calls = max(len(ws), min(24, int(2e3 / work_us)))  # about 2 ms of graph
 
     def timed(config):
         def call(i):
-            return w8a16.w8a16_matmul(x, qs[i], scale, bias, gelu=gelu, residual=res,
-                                      config=config)  # fmt: skip
+            return run_quant(bits, x, ws[i], bias, gelu=gelu, residual=res, config=config)
 
-        return graph_time_us(call, len(qs), calls=calls, reps=3)
+        return graph_time_us(call, len(ws), calls=calls, reps=3)
 
     if not cands:
-        raise RuntimeError(f"no W8A16 config can run {shape} at {M} rows in {dtype}")
+        raise RuntimeError(f"no int{bits} config can run {shape} at {M} rows in {dtype}")
     first = {c: timed(c) for c in cands}
-    picked = None
-    if vs_autotune:
-        w8a16.w8a16_matmul(x, qs[0], scale, bias, gelu=gelu, residual=res, config="autotune")
-        picked = config_text(w8a16._w8a16_kernel.best_config)
+    picked = tuning.default_config(M, N, K, dt, sm_count(0), bits=bits,
+                                   group=group if bits == 4 else 0)  # fmt: skip
     leaders = sorted(first, key=first.get)[:5]
-    if picked and picked not in leaders:
+    if picked not in leaders:
         leaders.append(picked)
     again = {c: [first[c] if c in first else timed(c)] for c in leaders}
     for _ in range(4):  # interleaved, so a slow spell of the GPU hits every leader alike
@@ -275,37 +304,28 @@ def _tune_launch(shape, N, K, epi, M, dtype, dt, cands, l2_bytes, vs_autotune) -
             again[c].append(timed(c))
     final = {c: statistics.median(v) for c, v in again.items()}
     best = min(final, key=final.get)
-    qs.clear()
+    ws.clear()
     torch.cuda.empty_cache()
-    return {"key": tuning.key(dt, M, N, K), "shape": shape, "N": N, "K": K, "M": M, "dtype": dt,
-            "config": best, "us": final[best], "GBps": (N * K + 4 * N) / final[best] / 1e3,
-            "autotune_config": picked, "autotune_us": final.get(picked),
-            "best_us_by_magic": {str(m): min((t for c, t in first.items()
-                                              if tuning.parse(c)[0]["MAGIC"] == m), default=None)
-                                 for m in tuning.magics(dt)},  # fmt: skip
-            "leaders_us": again,
+    grp = group if bits == 4 else 0
+    return {"key": tuning.key(dt, M, N, K, bits=bits, group=grp), "shape": shape, "N": N, "K": K,
+            "M": M, "dtype": dt, "quant": f"int{bits}", "config": best, "us": final[best],
+            "GBps": w_bytes / final[best] / 1e3, "default_config": picked,
+            "default_us": final.get(picked), "leaders_us": again,
             "candidates_us": sorted(first.items(), key=lambda cu: cu[1])}  # fmt: skip
 
 
 def tune_markdown(result: dict) -> str:
-    def by_magic(r, m):
-        t = r.get("best_us_by_magic", {}).get(str(m))
-        return f"{t:.1f}" if t else "-"
-
-    header = ["shape", "rows", "dtype", "table config", "us", "GB/s", "autotuner's pick", "us",
-              "gain", "best magic0 / 1 / 2 us"]  # fmt: skip
-    rows = [[r["shape"], r["M"], r["dtype"], r["config"], f"{r['us']:.1f}", f"{r['GBps']:.0f}",
-             r["autotune_config"] or "-",
-             f"{r['autotune_us']:.1f}" if r["autotune_us"] else "-",
-             f"{r['autotune_us'] / r['us']:.2f}x" if r["autotune_us"] else "-",
-             " / ".join(by_magic(r, m) for m in (0, 1, 2))]
+    header = ["shape", "rows", "dtype", "quant", "table config", "us", "GB/s", "default rule's",
+              "us", "gain"]  # fmt: skip
+    rows = [[r["shape"], r["M"], r["dtype"], r["quant"], r["config"], f"{r['us']:.1f}",
+             f"{r['GBps']:.0f}", r["default_config"],
+             f"{r['default_us']:.1f}" if r["default_us"] else "-",
+             f"{r['default_us'] / r['us']:.2f}x" if r["default_us"] else "-"]
             for r in result["rows"]]  # fmt: skip
     return (
         f"{result['gpu']}: the tuned table ({result['table']}), timed in a CUDA graph with "
-        "weights from HBM (median of 5), beside the autotuner's pick where it was timed too, "
-        "and the fastest config of each int8 conversion (magic0: via fp32, 1: the fp16 bit "
-        "trick in Triton ops, 2: the bit trick in packed PTX; one timing each)\n\n"
-        + md_table(header, rows)
+        "weights from HBM (median of 5), beside the config the default rule gives a launch no "
+        "table has\n\n" + md_table(header, rows)
     )
 
 
@@ -393,16 +413,22 @@ def attention_markdown(result: dict, bandwidth: float) -> str:
 
 def markdown(result: dict) -> str:
     bw = result["copy_bandwidth_GBps"]
-    header = ["shape", "N x K", "rows", "dtype", "int8 us", "int8 GB/s", "% of copy", "fp16 us",
-              "fp16 GB/s", "int8 speed-up", "config"]  # fmt: skip
-    rows = [[r["shape"], f"{r['N']} x {r['K']}", r["M"], r["dtype"], f"{r['int8_us']:.1f}",
-             f"{r['int8_GBps']:.0f}", f"{100 * r['int8_GBps'] / bw:.0f}", f"{r['fp16_us']:.1f}",
-             f"{r['fp16_GBps']:.0f}", f"{r['fp16_us'] / r['int8_us']:.2f}", r["config"]]
+    cands = sorted({c for r in result["rows"] for c in r.get("candidates_us", {})})
+    header = ["shape", "N x K", "rows", "dtype", "quant", "us", "GB/s", "% of copy", "fp16 us",
+              "us / fp16", "config", *[f"{c} us" for c in cands]]  # fmt: skip
+
+    def cand(r, c):
+        t = r.get("candidates_us", {}).get(c)
+        return f"{t:.1f}" if isinstance(t, float) else (t or "-")[:40]
+
+    rows = [[r["shape"], f"{r['N']} x {r['K']}", r["M"], r["dtype"], r["quant"], f"{r['us']:.1f}",
+             f"{r['GBps']:.0f}", f"{100 * r['GBps'] / bw:.0f}", f"{r['fp16_us']:.1f}",
+             f"{r['vs_fp16']:.2f}", r["config"], *[cand(r, c) for c in cands]]
             for r in result["rows"]]  # fmt: skip
     return (
-        f"{result['gpu']}: copy {bw / 1e3:.2f} TB/s. W8A16 decode matmul (fused epilogue) vs "
-        "cuBLAS fp16 (+ separate epilogue ops), each in a CUDA graph, weights from HBM\n\n"
-        + md_table(header, rows)
+        f"{result['gpu']}: copy {bw / 1e3:.2f} TB/s. mpinfer's weight-only matmuls (fused "
+        "epilogue) vs cuBLAS fp16 (+ separate epilogue ops) and the libraries that installed, "
+        "each in a CUDA graph, weights from HBM\n\n" + md_table(header, rows)
     )
 
 
@@ -415,14 +441,21 @@ def main(argv: list[str]) -> int:
     p.add_argument("--shapes", default="",
                    help="comma list of the models' matmuls to keep (e.g. '7b1 qkv,176b/8 fc1'); "
                    "all by default")  # fmt: skip
-    p.add_argument("--rows", default="1,8,32")
-    p.add_argument("--bf16-rows", default="1", help="rows also measured in bf16 ('' for none)")
+    p.add_argument("--rows", default="1,16,64,128,256,576")
+    p.add_argument("--bf16-rows", default="", help="rows also measured in bf16 ('' for none)")
+    p.add_argument("--quant", default="int8,int4", help="comma list of int8, int4")
+    p.add_argument("--group-size", type=int, default=128, help="int4's group size")
+    p.add_argument("--candidates", default="",
+                   help=f"comma list of other libraries' kernels to time beside ours where they "
+                   f"import: {', '.join(CANDIDATES)} ('all': every one)")  # fmt: skip
+    p.add_argument("--candidate-rows", default="1,16,64,128,256,576",
+                   help="the row counts the candidates are timed at")  # fmt: skip
+    p.add_argument("--candidate-shapes", default="",
+                   help="the matmuls the candidates are timed on (default: all)")  # fmt: skip
     p.add_argument("--out", default="bench/results/kernels.json")
     p.add_argument("--tune", metavar="TABLE", help="sweep every config of each launch and write "
-                   "the winners as this GPU's table (mpinfer/kernels/tuned/<gpu>.json to ship "
-                   "it) instead of the comparison with cuBLAS")  # fmt: skip
-    p.add_argument("--vs-autotune", action="store_true",
-                   help="with --tune: also time the autotuner's pick of each launch")  # fmt: skip
+                   "the winners into this GPU's table (mpinfer/model/kernels/tuned/<gpu>.json "
+                   "to ship it) instead of the comparison with cuBLAS")  # fmt: skip
     p.add_argument("--attention", action="store_true",
                    help="sweep the decode attention's tiles, warps, stages and splits")  # fmt: skip
     a = p.parse_args(argv)
@@ -447,18 +480,41 @@ def main(argv: list[str]) -> int:
         result = {"machine": machine(), **ceil, **attention_sweep(512, [576, 2048], l2)}
         save_result(result, a.out, attention_markdown(result, ceil["copy_bandwidth_GBps"]))
         return 0
+    bits = [{"int8": 8, "int4": 4}[q] for q in a.quant.split(",") if q]
     if a.tune:
-        keys = [(name, M, dt) for M, dt in runs for name in names]
-        result = {"machine": machine(), **tune(shapes, keys, l2, a.tune, a.vs_autotune)}
+        result = {"machine": machine(), "sweeps": []}
+        for b in bits:
+            keys = [(name, M, dt) for M, dt in runs for name in names if runs_as(name, M, b)]
+            result["sweeps"].append(tune(shapes, keys, l2, a.tune, bits=b, group=a.group_size))
+        result["rows"] = [r for sw in result["sweeps"] for r in sw["rows"]]
+        result.update(gpu=props.name, table=a.tune)
         save_result(result, a.out, tune_markdown(result))
         return 0
+    cands = (
+        tuple(CANDIDATES) if a.candidates == "all" else tuple(filter(None, a.candidates.split(",")))
+    )
     ceil = measure_ceilings()
     for name in names:
         N, K, epi = shapes[name]
         for M, dtype in runs:
-            r = bench_shape(name, N, K, epi, M, dtype, l2)
-            rows.append(r)
-            print(json.dumps({k: v for k, v in r.items() if k != "autotune_ms"}), flush=True)
+            timed = str(M) in a.candidate_rows.split(",") and (
+                not a.candidate_shapes or name in a.candidate_shapes.split(",")
+            )
+            for b in [b for b in bits if runs_as(name, M, b)]:
+                r = bench_shape(
+                    name,
+                    N,
+                    K,
+                    epi,
+                    M,
+                    dtype,
+                    l2,
+                    bits=b,
+                    group=a.group_size,
+                    candidates=tuple(c for c in cands if CANDIDATES[c] == b) if timed else (),
+                )
+                rows.append(r)
+                print(json.dumps(r), flush=True)
     result = {"machine": machine(), "gpu": props.name, **ceil, "rows": rows}
     save_result(result, a.out, markdown(result))
     return 0

@@ -1,19 +1,27 @@
-"""The W8A16 kernel's configurations, by name, and the per-GPU tables of measured best ones.
-Free of Triton, so that CPU CI (which has none) checks every shipped table.
+"""The weight-only matmul kernels' configurations, by name, the deterministic default for a
+launch, and the per-GPU tables of measured best ones. Free of Triton, so that CPU CI (which has
+none) checks every shipped table.
 
 A config's name is its loop and its Triton meta-parameters, e.g. "dot n64 k128 split4 pf0 magic2
-w4 s3": loop (dot: tensor cores; swap: tensor cores with the weight tile as the left operand;
-fma: the one-row elementwise loop), BLOCK_N, BLOCK_K, split-K, PREFETCH, MAGIC (how int8 becomes
-float: 0 the conversion unit via fp32, 1 the fp16 bit trick in Triton ops, fp16 only, 2 the bit
-trick in packed PTX, four weights at a time), num_warps, num_stages.
+w4 s3" or, for launches of more than 64 rows, "swap n128 k64 split1 pf0 magic2 w8 s3 m128":
+loop (dot: tensor cores; swap: tensor cores with the weight tile as the left operand; fma: the
+one-row elementwise loop), BLOCK_N, BLOCK_K, split-K, PREFETCH, MAGIC (how a quantized weight
+becomes float: 0 the conversion unit via fp32, 1 the fp16 bit trick in Triton ops, fp16 only, 2
+the bit trick in packed PTX, int8 only), num_warps, num_stages, and BLOCK_M (the rows a program
+owns; without it, the row bucket's size: 16, 32 or 64).
 
-Why tables: the autotuner times each candidate once per process with Triton's timer (one launch
-between L2 flushes), whose run-to-run spread (several microseconds on a 10-40 us kernel) is larger
-than the gap between the best few candidates, so every start-up picked differently, up to 30 %
-apart on a shape. `mpinfer bench kernels --tune` instead times every candidate as the model runs
-it, in a CUDA graph with the weight read from HBM, re-times the leaders, and writes the winners
-to `tuned/<gpu>.json`; a launch whose (dtype, row bucket, N, K) is in the table of the GPU it runs
-on uses that config, and any other launch is autotuned as before.
+Both kernels (w8a16.py, w4a16.py) cover every row count a step can have with one family of
+loops: one row, tiles of up to 64 rows, and tiles of BLOCK_M rows repeated over the rows for
+more (a mixed step, a prefill). The int4 kernel's BLOCK_K is the quantization group (one scale
+and offset per tile row).
+
+Which config a launch runs is a function of the GPU and the launch's shape only: the GPU's table
+(`tuned/<gpu>.json`, measured by `mpinfer bench kernels --tune`, which times every candidate as
+the model runs it, in a CUDA graph with the weight read from HBM, and re-times the leaders), else
+`default_config`. No timing race at start-up picks a kernel (Triton's autotuner did, once: its
+timer's spread is larger than the gap between the leaders, so two starts of the same server
+could pick differently and round differently), so two machines of one kind give the same
+greedy text.
 """
 
 from __future__ import annotations
@@ -27,56 +35,74 @@ from pathlib import Path
 import torch
 
 TABLE_DIR = Path(__file__).parent / "tuned"
-# The W8A16 kernel's tuning buckets: one row, then row tiles of up to 16, 32 and 64 rows. Each
-# bucket is tuned on its own; the engine warms each one up at start-up.
-ROW_BUCKETS = (1, 16, 32, 64)
+# Tuning buckets of a launch's rows: one row, row tiles of up to 16, 32 and 64 rows (one tile),
+# then 128 ... 1024 rows (tiles of the config's BLOCK_M; more rows use the largest bucket's
+# config). The engine's step graphs run every bucket at start-up.
+ROW_BUCKETS = (1, 16, 32, 64, 128, 256, 512, 1024)
+SINGLE_TILE = 64  # buckets up to this many rows are one tile of rows
 # Query tokens per tile of the prompt-chunk attention kernel (kernels/attention.py); the runner
 # cuts chunks into tiles of this many.
 CHUNK_TILE = 64
-WORKSPACE_BYTES = 16 << 20  # per device: the largest split-K partials a launch may write
+WORKSPACE_BYTES = 32 << 20  # per device: the largest split-K partials a launch may write
 COUNTERS = 1 << 15  # per device: one int32 per output tile
+INT4_GROUPS = (64, 128, 256)  # quant.group_size values the int4 kernel runs (BLOCK_K = group)
 
-# (loop, BLOCK_N, BLOCK_K, num_warps, num_stages, PREFETCH). The autotuner's families won a shape
-# in a sweep over 10 on the H200; SWAP is for several rows only, the fma loop for one row only.
-AUTOTUNE_FAMILIES = [
-    ("dot", 32, 256, 4, 3, 0), ("dot", 64, 256, 4, 3, 0), ("dot", 64, 128, 4, 3, 0),
-    ("swap", 64, 128, 4, 4, 0), ("fma", 16, 256, 4, 3, 0), ("fma", 8, 512, 4, 1, 1),
+# The sweep behind a table: (loop, BLOCK_N, BLOCK_K, num_warps, num_stages, PREFETCH, BLOCK_M)
+# (BLOCK_M 0: the bucket's rows). The few-row families won a shape in a sweep over 10 on the
+# H200; the tiled ones are the shapes Triton's Hopper matmuls favour for 128-1024 rows.
+SWEEP_FAMILIES = [
+    ("dot", 32, 256, 4, 3, 0, 0), ("dot", 64, 256, 4, 3, 0, 0), ("dot", 64, 128, 4, 3, 0, 0),
+    ("swap", 64, 128, 4, 4, 0, 0), ("fma", 16, 256, 4, 3, 0, 0), ("fma", 8, 512, 4, 1, 1, 0),
+    ("dot", 32, 128, 4, 4, 0, 0), ("dot", 64, 128, 4, 5, 0, 0), ("dot", 64, 256, 8, 3, 0, 0),
+    ("dot", 128, 128, 8, 3, 0, 0), ("swap", 64, 256, 4, 3, 0, 0), ("fma", 16, 512, 4, 1, 1, 0),
 ]  # fmt: skip
-AUTOTUNE_SPLITS = (1, 2, 4, 8)
-# The int8 conversions the autotuner tries, per activation dtype: those that won a launch in the
-# sweep on the H200 (its table in docs/performance.md). fp16: packed PTX 36 of 40, by up to
-# 1.20x over the best of the other two, the Triton-op trick the other 4 (by up to 1.12x);
-# bf16: Triton's own conversion 36 of 40 (the tensor-core loops, by up to 1.07x), packed PTX the
-# one-row loop. Two per dtype: as many candidates as before packed PTX came.
-AUTOTUNE_MAGIC = {"float16": (1, 2), "bfloat16": (0, 2)}
-# The sweep behind a table also tries wider, deeper and smaller tiles, and splits that are not
-# powers of two (programs = tiles x splits decides how evenly the last wave fills the GPU).
-SWEEP_FAMILIES = AUTOTUNE_FAMILIES + [
-    ("dot", 32, 128, 4, 4, 0), ("dot", 64, 128, 4, 5, 0), ("dot", 64, 256, 8, 3, 0),
-    ("dot", 128, 128, 8, 3, 0), ("swap", 64, 256, 4, 3, 0), ("fma", 16, 512, 4, 1, 1),
+TILED_FAMILIES = [
+    ("dot", 128, 64, 8, 3, 0, 128), ("dot", 256, 64, 8, 3, 0, 128), ("dot", 128, 128, 8, 3, 0, 64),
+    ("dot", 128, 64, 4, 4, 0, 64), ("swap", 128, 64, 8, 3, 0, 128), ("swap", 128, 128, 8, 3, 0, 64),
+    ("swap", 256, 64, 8, 3, 0, 128), ("swap", 64, 128, 4, 4, 0, 128),
+]  # fmt: skip
+# int4: BLOCK_K is the group size, set per launch; these are the families at 128.
+INT4_FAMILIES = [
+    ("fma", 16, 128, 4, 3, 0, 0), ("fma", 32, 128, 4, 3, 0, 0), ("fma", 64, 128, 4, 3, 0, 0),
+    ("fma", 16, 128, 4, 3, 1, 0), ("fma", 32, 128, 4, 3, 1, 0), ("dot", 64, 128, 4, 4, 0, 0),
+    ("dot", 32, 128, 4, 3, 0, 0), ("dot", 64, 128, 4, 3, 0, 0), ("swap", 64, 128, 4, 4, 0, 0),
+    ("swap", 128, 128, 4, 3, 0, 0),
+    ("dot", 128, 128, 8, 3, 0, 128), ("dot", 128, 128, 8, 3, 0, 64),
+    ("swap", 128, 128, 8, 3, 0, 128), ("swap", 128, 128, 8, 3, 0, 64),
+    ("swap", 256, 128, 8, 3, 0, 128),
 ]  # fmt: skip
 SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
+INT4_SPLITS = (1, 2, 3, 4, 6, 8)
+TILED_SPLITS = (1, 2, 3, 4)
+# Conversions the tiled sweep tries (the few-row sweep tries all): per dtype, those that won
+# the tensor-core loops of the few-row sweep.
+TILED_MAGIC = {"float16": (1, 2), "bfloat16": (0, 2)}
 
-_NAME = re.compile(r"(dot|swap|fma) n(\d+) k(\d+) split(\d+) pf([01]) magic([012]) w(\d+) s(\d+)")
+_NAME = re.compile(
+    r"(dot|swap|fma) n(\d+) k(\d+) split(\d+) pf([01]) magic([012]) w(\d+) s(\d+)(?: m(\d+))?"
+)
 
 
 @functools.cache
 def parse(name: str) -> tuple[dict, int, int]:
-    """(Triton meta-parameters, num_warps, num_stages) of a config name."""
+    """(Triton meta-parameters, num_warps, num_stages) of a config name; BLOCK_M 0: the row
+    bucket's."""
     m = _NAME.fullmatch(name)
     if not m:
-        raise ValueError(f"not a W8A16 config name: {name!r} (e.g. 'dot n64 k128 split4 pf0 "
+        raise ValueError(f"not a kernel config name: {name!r} (e.g. 'dot n64 k128 split4 pf0 "
                          "magic0 w4 s3')")  # fmt: skip
-    loop, bn, bk, split, pf, magic, w, s = m.groups()
+    loop, bn, bk, split, pf, magic, w, s, bm = m.groups()
     kw = dict(USE_DOT=int(loop != "fma"), SWAP=int(loop == "swap"), BLOCK_N=int(bn),
-              BLOCK_K=int(bk), split_k=int(split), PREFETCH=int(pf), MAGIC=int(magic))  # fmt: skip
+              BLOCK_K=int(bk), split_k=int(split), PREFETCH=int(pf), MAGIC=int(magic),
+              BLOCK_M=int(bm or 0))  # fmt: skip
     return kw, int(w), int(s)
 
 
 def name(kw: dict, num_warps: int, num_stages: int) -> str:
     loop = ("swap" if kw.get("SWAP") else "dot") if kw["USE_DOT"] else "fma"
+    tail = f" m{kw['BLOCK_M']}" if kw.get("BLOCK_M") else ""
     return (f"{loop} n{kw['BLOCK_N']} k{kw['BLOCK_K']} split{kw['split_k']} pf{kw['PREFETCH']} "
-            f"magic{kw.get('MAGIC', 0)} w{num_warps} s{num_stages}")  # fmt: skip
+            f"magic{kw.get('MAGIC', 0)} w{num_warps} s{num_stages}{tail}")  # fmt: skip
 
 
 def dtype_name(dtype) -> str:
@@ -84,53 +110,116 @@ def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def magics(dtype: str) -> tuple[int, ...]:
-    """The int8 conversions a launch of this activation dtype may use (1 makes fp16 only)."""
-    return (0, 1, 2) if dtype == "float16" else (0, 2)
+def magics(dtype: str, bits: int = 8) -> tuple[int, ...]:
+    """The weight conversions a launch of this activation dtype may use (1 makes fp16 only; 2,
+    packed PTX, is written for int8)."""
+    fp16 = (0, 1) if dtype == "float16" else (0,)
+    return fp16 + (2,) if bits == 8 else fp16
 
 
-def names(families, splits, dtype: str, magic=None) -> list[str]:
+def names(families, splits, dtype: str, magic=None, *, bits: int = 8, group: int = 128
+          ) -> list[str]:  # fmt: skip
     """Every config of these families and splits, with every conversion `dtype` allows (or
-    those of `magic` only)."""
-    return [
-        f"{loop} n{bn} k{bk} split{split} pf{pf} magic{m} w{w} s{s}"
-        for loop, bn, bk, w, s, pf in families
-        for split in splits
-        for m in magics(dtype)
-        if magic is None or m in magic
-    ]
+    those of `magic` only); int4 configs take BLOCK_K from the group size."""
+    out = []
+    for loop, bn, bk, w, s, pf, bm in families:
+        bk = group if bits == 4 else bk
+        for split in splits:
+            for m in magics(dtype, bits):
+                if magic is None or m in magic:
+                    out.append(name(dict(USE_DOT=int(loop != "fma"), SWAP=int(loop == "swap"),
+                                         BLOCK_N=bn, BLOCK_K=bk, split_k=split, PREFETCH=pf,
+                                         MAGIC=m, BLOCK_M=bm), w, s))  # fmt: skip
+    return out
+
+
+def candidates(bucket: int, dtype: str, *, bits: int = 8, group: int = 128) -> list[str]:
+    """What `--tune` sweeps for a row bucket (illegal ones are dropped per launch)."""
+    if bits == 4:
+        fams = [f for f in INT4_FAMILIES if (f[6] > 0) == (bucket > SINGLE_TILE)]
+        return names(fams, INT4_SPLITS if bucket <= SINGLE_TILE else TILED_SPLITS, dtype,
+                     bits=4, group=group)  # fmt: skip
+    if bucket > SINGLE_TILE:
+        return names(TILED_FAMILIES, TILED_SPLITS, dtype, TILED_MAGIC[dtype])
+    return names(SWEEP_FAMILIES, SWEEP_SPLITS, dtype)
 
 
 def row_bucket(rows: int) -> int:
-    """The tuning bucket of a launch with this many rows: 1, then the row tile (16, 32, 64)."""
-    assert rows <= ROW_BUCKETS[-1], f"{rows} rows: more than a decode launch has"
-    return next(b for b in ROW_BUCKETS if b >= rows)
+    """The tuning bucket of a launch with this many rows: 1, the row tile (16, 32, 64), then
+    128 ... 1024 (and 1024 for more)."""
+    return next((b for b in ROW_BUCKETS if b >= rows), ROW_BUCKETS[-1])
 
 
-def key(dtype: str, rows: int, N: int, K: int) -> str:
-    """A table key: 'float16 m16 12288x4096' (dtype, row bucket, out x in features)."""
-    return f"{dtype} m{row_bucket(rows)} {N}x{K}"
+def block_m(kw: dict, rows: int) -> int:
+    """The rows one program owns: the config's BLOCK_M, else the bucket's (at least 16, the
+    tensor cores' smallest tile)."""
+    return kw.get("BLOCK_M") or max(16, min(row_bucket(rows), SINGLE_TILE))
 
 
-def illegal(name_: str, rows: int, N: int, K: int, dtype: str) -> str | None:
+def key(dtype: str, rows: int, N: int, K: int, *, bits: int = 8, group: int = 0) -> str:
+    """A table key: 'float16 m16 12288x4096' (int8: dtype, row bucket, out x in features);
+    'int4g128 float16 m16 12288x4096' (int4 with groups of 128)."""
+    head = f"int4g{group} " if bits == 4 else ""
+    return f"{head}{dtype} m{row_bucket(rows)} {N}x{K}"
+
+
+def illegal(name_: str, rows: int, N: int, K: int, dtype: str, *, bits: int = 8,
+            group: int = 0) -> str | None:  # fmt: skip
     """Why this config cannot run a launch of rows x K by N (None if it can)."""
     kw, _, _ = parse(name_)
-    split, bn, bk = kw["split_k"], kw["BLOCK_N"], kw["BLOCK_K"]
+    split, bn, bk, bm = kw["split_k"], kw["BLOCK_N"], kw["BLOCK_K"], kw["BLOCK_M"]
+    bucket = row_bucket(rows)
     if not kw["USE_DOT"] and rows != 1:
         return "the fma loop computes one row"
     if kw["SWAP"] and rows == 1:
         return "swap is for several rows"
-    if kw["MAGIC"] not in magics(dtype):
-        return "the Triton-op bit trick (magic1) makes fp16 only"
-    # The autotuner keeps one config per row bucket, so the partials must fit at the bucket's
-    # most rows (a config picked at 2 rows runs 16).
-    if split > 1 and split * row_bucket(rows) * N * 4 > WORKSPACE_BYTES:
+    if kw["MAGIC"] not in magics(dtype, bits):
+        return "magic1 (the Triton-op bit trick) makes fp16 only, magic2 (PTX) int8 only"
+    if bm and bucket <= SINGLE_TILE:
+        return f"a BLOCK_M is for more than {SINGLE_TILE} rows"
+    if not bm and bucket > SINGLE_TILE:
+        return f"more than {SINGLE_TILE} rows need a BLOCK_M (m64, m128, ...)"
+    if bits == 4 and bk != group:
+        return f"an int4 config's BLOCK_K is its group size ({group})"
+    # A config serves its whole bucket, so the partials must fit at the bucket's most rows (a
+    # config picked at 2 rows runs 16); past the largest bucket, at the launch's own.
+    if split > 1 and split * max(rows, bucket) * N * 4 > WORKSPACE_BYTES:
         return f"split-K partials over the {WORKSPACE_BYTES >> 20} MiB workspace"
     if bk * split > max(K, bk):
         return "a split shorter than one K tile"
-    if -(-N // bn) > COUNTERS:
+    if -(-N // bn) * -(-max(rows, bucket) // block_m(kw, rows)) > COUNTERS and split > 1:
         return "more output tiles than split-K counters"
     return None
+
+
+def default_config(rows: int, N: int, K: int, dtype: str, sms: int, *, bits: int = 8,
+                   group: int = 0) -> str:  # fmt: skip
+    """The config of a launch no table has: a fixed rule of the shape and the GPU's size (the
+    families that won most launches of the H200's sweep), the split the smallest that gives
+    every SM a program."""
+    bucket = row_bucket(rows)
+    fp16 = dtype == "float16"
+    if bits == 4:
+        magic, bk = int(fp16), group
+    else:
+        magic, bk = 2 if fp16 or rows == 1 else 0, 128
+    if rows == 1:
+        base = f"fma n16 k{256 if bits == 8 else bk} split{{}} pf0 magic{magic} w4 s3"
+        tiles = -(-N // 16)
+    elif bucket <= SINGLE_TILE:
+        base = f"dot n64 k{bk} split{{}} pf0 magic{magic} w4 s3"
+        tiles = -(-N // 64)
+    else:
+        bn, bm = (128, 128) if bits == 8 else (128, 64)
+        base = f"swap n{bn} k{64 if bits == 8 else bk} split{{}} pf0 magic{magic} w8 s3 m{bm}"
+        tiles = -(-N // bn) * -(-rows // bm)
+    legal = [
+        s
+        for s in (1, 2, 3, 4, 6, 8)
+        if not illegal(base.format(s), rows, N, K, dtype, bits=bits, group=group)
+    ]
+    split = next((s for s in legal if tiles * s >= sms), legal[-1] if legal else 1)
+    return base.format(split)
 
 
 def slug(gpu_name: str) -> str:
@@ -138,14 +227,14 @@ def slug(gpu_name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")
 
 
-_KEY = re.compile(r"(float16|bfloat16) m(\d+) (\d+)x(\d+)")
+_KEY = re.compile(r"(?:int4g(\d+) )?(float16|bfloat16) m(\d+) (\d+)x(\d+)")
 
 
 @functools.cache
 def table(gpu_name: str) -> dict[str, str]:
     """The shipped table of this GPU (key -> config name), {} when there is none or when
-    MPINFER_TUNED=0 (a diagnostic switch: everything autotuned). A table that does not parse is
-    an error naming the file and the entry, not a silent fall-back to autotuning."""
+    MPINFER_TUNED=0 (a diagnostic switch: every launch gets `default_config`). A table that does
+    not parse is an error naming the file and the entry, not a silent fall-back."""
     path = TABLE_DIR / f"{slug(gpu_name)}.json"
     if os.environ.get("MPINFER_TUNED", "1") == "0" or not path.exists():
         return {}
@@ -154,20 +243,21 @@ def table(gpu_name: str) -> dict[str, str]:
         configs = dict(data["configs"])
         for k, config in configs.items():
             m = _KEY.fullmatch(k)
-            if not m or int(m[2]) not in ROW_BUCKETS:
+            if not m or int(m[3]) not in ROW_BUCKETS:
                 raise ValueError(f"bad key {k!r} (e.g. 'float16 m16 12288x4096')")
             parse(config)
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not a W8A16 config table: {e}") from None
+        raise ValueError(f"{path}: not a kernel config table: {e}") from None
     if data.get("gpu") != gpu_name:
         return {}
     return configs
 
 
-def lookup(gpu_name: str, dtype: str, rows: int, N: int, K: int) -> str | None:
+def lookup(gpu_name: str, dtype: str, rows: int, N: int, K: int, *, bits: int = 8,
+           group: int = 0) -> str | None:  # fmt: skip
     """The table's config for this launch, if it has one that can run it."""
-    found = table(gpu_name).get(key(dtype, rows, N, K))
-    if found is None or illegal(found, rows, N, K, dtype):
+    found = table(gpu_name).get(key(dtype, rows, N, K, bits=bits, group=group))
+    if found is None or illegal(found, rows, N, K, dtype, bits=bits, group=group):
         return None
     return found
 
@@ -184,6 +274,5 @@ def attention_splits(batch: int, heads: int, max_seq: int, sms: int) -> int:
     splits gives every SM about 8 programs (batch 1 with 14 or 32 heads still fills the GPU),
     but no more than the cache has tiles, nor than 32, past which a short history leaves most
     programs empty and the merge grows (the attention sweep, docs/performance.md). It depends
-    only on
-    the batch and the cache length, so a captured graph stays valid."""
+    only on the batch and the cache length, so a captured graph stays valid."""
     return max(1, min(-(-8 * sms // (batch * heads)), -(-max_seq // 32), 32))

@@ -1,0 +1,200 @@
+"""The W4A16 matmul, in Triton, for every row count a step has: group-wise int4 weights,
+converted in registers, the same loops, grid, split-K and fused epilogue as the int8 kernel
+(w8a16.py, launch.py).
+
+    y = act(x @ w^T + bias) + residual,    w[n, k] = q[n, k] * scale[g, n] + offset[g, n]
+
+    x (M, K) fp16/bf16    packed (N, K/2) uint8    scale, offset (K/G, N) fp16    g = k // G
+
+Scales and offsets are stored group-major, so the BLOCK_N of them a tile needs are contiguous
+(one or two memory sectors, not one per row).
+
+Packing (quant.py's `quantize_int4`): group g's G weights of row n are the G/2 bytes
+[g G/2, (g+1) G/2) of that row; byte b holds k = g G + b in its low nibble and k = g G + G/2 + b
+in its high one. So a program's K tile is one group (BLOCK_K = G): one scale and offset per row
+of the tile, and each nibble half pairs with a contiguous half of x's columns, so a tile is two
+dots of G/2 with plain, coalesced loads of x (no interleave, no shuffle in registers).
+
+Loops, as in w8a16.py: `dot` (x @ w^T), `swap` (w @ x^T, the converted tile as the left
+operand) and `fma` (one row, products in an fp32 tile, reduced once after the loop). MAGIC 1
+(fp16 only) converts a nibble by the bit trick (0x6400 | q is the fp16 number 1024 + q) and
+applies scale and offset in fp16; MAGIC 0 goes through fp32. PREFETCH 1 makes the one-row loop
+take two groups an iteration (two independent weight loads in flight; Triton does not pipeline
+that loop).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import device_scratch, launch_plan, reduce_and_finish
+
+
+@triton.jit
+def _nibbles(b, s, z, dtype: tl.constexpr, MAGIC: tl.constexpr):
+    """A (rows, G/2) tile of packed bytes as its two (rows, G/2) halves of weights in `dtype`:
+    q * s + z, s and z (rows, 1) fp16."""
+    lo = b & 0xF
+    hi = b >> 4
+    if MAGIC == 1:
+        flo = (lo.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        fhi = (hi.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        return (flo * s + z).to(dtype), (fhi * s + z).to(dtype)
+    s32, z32 = s.to(tl.float32), z.to(tl.float32)
+    return ((lo.to(tl.float32) * s32 + z32).to(dtype),
+            (hi.to(tl.float32) * s32 + z32).to(dtype))  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["split_k"])
+def _w4a16(
+    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_ym, stride_rm, split_k,
+    BLOCK_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
+    USE_DOT: tl.constexpr, SWAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr, MAGIC: tl.constexpr,
+):  # fmt: skip
+    # BLOCK_K is the group size; split_k cuts the groups into runs; PREFETCH: the one-row loop
+    # takes two groups an iteration.
+    HALF: tl.constexpr = BLOCK_K // 2
+    pid_m = tl.program_id(0)  # row tiles fastest: they share each weight tile in L2
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    groups = K // BLOCK_K
+    g_per_split = tl.cdiv(groups, split_k)
+    g_lo = pid_k * g_per_split
+    g_hi = tl.minimum(groups, g_lo + g_per_split)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, HALF)
+    n_ok = offs_n < N
+    rows = tl.arange(0, BLOCK_N)
+    first = (pid_n * BLOCK_N).to(tl.int64)  # 64-bit: N x K / 2 passes 2^31 for the big heads
+    w_ptrs = (w_ptr + first * (K // 2) + rows[:, None] * (K // 2) + g_lo * HALF
+              + offs_h[None, :])  # (BLOCK_N, HALF)  # fmt: skip
+    s_ptrs = s_ptr + g_lo * N + offs_n  # (BLOCK_N,): contiguous, the groups are rows
+    z_ptrs = z_ptr + g_lo * N + offs_n
+    cdt = x_ptr.dtype.element_ty
+    tile = pid_m * tl.num_programs(1) + pid_n
+    if USE_DOT and SWAP:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m[None, :] < M
+        xt_ptrs = x_ptr + offs_m[None, :] * stride_xm + (g_lo * BLOCK_K + offs_h)[:, None]
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for _ in range(g_lo, g_hi):
+            b = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+            s = tl.load(s_ptrs, mask=n_ok, other=0.0)[:, None]
+            z = tl.load(z_ptrs, mask=n_ok, other=0.0)[:, None]
+            lo, hi = _nibbles(b, s, z, cdt, MAGIC)  # (BLOCK_N, HALF) each
+            x_lo = tl.load(xt_ptrs, mask=m_ok, other=0.0)  # (HALF, BLOCK_M)
+            x_hi = tl.load(xt_ptrs + HALF, mask=m_ok, other=0.0)
+            acc_t = tl.dot(lo, x_lo, acc_t)
+            acc_t = tl.dot(hi, x_hi, acc_t)  # (BLOCK_N, BLOCK_M)
+            w_ptrs += HALF
+            s_ptrs += N
+            z_ptrs += N
+            xt_ptrs += BLOCK_K
+        mask = n_ok[:, None] & m_ok
+        n_idx = offs_n[:, None] + 0 * offs_m[None, :]
+        reduce_and_finish(
+            acc_t, mask, n_idx, offs_m[None, :] * stride_ym + offs_n[:, None],
+            offs_m[None, :] * stride_rm + offs_n[:, None], offs_m[None, :] * N + offs_n[:, None],
+            tile, pid_k, split_k, M * N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
+            False, HAS_BIAS, ACT, HAS_RES,
+        )  # fmt: skip
+    elif USE_DOT:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m[:, None] < M
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (g_lo * BLOCK_K + offs_h)[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(g_lo, g_hi):
+            b = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+            s = tl.load(s_ptrs, mask=n_ok, other=0.0)[:, None]
+            z = tl.load(z_ptrs, mask=n_ok, other=0.0)[:, None]
+            lo, hi = _nibbles(b, s, z, cdt, MAGIC)
+            x_lo = tl.load(x_ptrs, mask=m_ok, other=0.0)  # (BLOCK_M, HALF)
+            x_hi = tl.load(x_ptrs + HALF, mask=m_ok, other=0.0)
+            acc = tl.dot(x_lo, tl.trans(lo), acc)
+            acc = tl.dot(x_hi, tl.trans(hi), acc)  # (BLOCK_M, BLOCK_N)
+            w_ptrs += HALF
+            s_ptrs += N
+            z_ptrs += N
+            x_ptrs += BLOCK_K
+        mask = m_ok & n_ok[None, :]
+        n_idx = offs_n[None, :] + 0 * offs_m[:, None]
+        reduce_and_finish(
+            acc, mask, n_idx, offs_m[:, None] * stride_ym + offs_n[None, :],
+            offs_m[:, None] * stride_rm + offs_n[None, :], offs_m[:, None] * N + offs_n[None, :],
+            tile, pid_k, split_k, M * N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
+            False, HAS_BIAS, ACT, HAS_RES,
+        )  # fmt: skip
+    else:  # one row
+        acc2 = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
+        x_ptrs = x_ptr + g_lo * BLOCK_K + offs_h
+        for g in range(g_lo, g_hi, 1 + PREFETCH):
+            b = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+            s = tl.load(s_ptrs, mask=n_ok, other=0.0)[:, None]
+            z = tl.load(z_ptrs, mask=n_ok, other=0.0)[:, None]
+            if PREFETCH:  # the next group too (zeros past the split: s = z = 0)
+                has2 = tl.minimum(g_hi - g - 1, 1)  # 1 if the split has a next group, else 0
+                ok2 = offs_n < N * has2
+                b2 = tl.load(w_ptrs + HALF, mask=ok2[:, None], other=0)
+                s2 = tl.load(s_ptrs + N, mask=ok2, other=0.0)[:, None]
+                z2 = tl.load(z_ptrs + N, mask=ok2, other=0.0)[:, None]
+                h_ok = offs_h < HALF * has2
+                x2_lo = tl.load(x_ptrs + BLOCK_K, mask=h_ok, other=0.0).to(tl.float32)
+                x2_hi = tl.load(x_ptrs + BLOCK_K + HALF, mask=h_ok, other=0.0).to(tl.float32)
+            lo, hi = _nibbles(b, s, z, tl.float32, 0)
+            x_lo = tl.load(x_ptrs).to(tl.float32)
+            x_hi = tl.load(x_ptrs + HALF).to(tl.float32)
+            acc2 += lo * x_lo[None, :] + hi * x_hi[None, :]
+            if PREFETCH:
+                lo2, hi2 = _nibbles(b2, s2, z2, tl.float32, 0)
+                acc2 += lo2 * x2_lo[None, :] + hi2 * x2_hi[None, :]
+            w_ptrs += HALF * (1 + PREFETCH)
+            s_ptrs += N * (1 + PREFETCH)
+            z_ptrs += N * (1 + PREFETCH)
+            x_ptrs += BLOCK_K * (1 + PREFETCH)
+        acc = tl.sum(acc2, axis=1)  # (BLOCK_N,)
+        reduce_and_finish(
+            acc, n_ok, offs_n, offs_n, offs_n, offs_n,
+            tile, pid_k, split_k, N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
+            False, HAS_BIAS, ACT, HAS_RES,
+        )  # fmt: skip
+
+
+def w4a16_matmul(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    gelu: bool = False,
+    residual: torch.Tensor | None = None,
+    config: str | None = None,
+) -> torch.Tensor:
+    """The fused W4A16 matmul with `config` (a tuning.py config name), else the tuned table's
+    config for this GPU and shape, else the default rule's. The group size is K / scale's
+    rows."""
+    M, K = x.shape
+    N = packed.shape[0]
+    group = K // scale.shape[0]
+    assert packed.shape[1] * 2 == K and packed.dtype == torch.uint8 and packed.is_contiguous()
+    assert scale.shape == offset.shape == (K // group, N) and K % group == 0
+    x = x.contiguous()
+    if residual is not None:
+        residual = residual.reshape(M, N)
+        assert residual.stride(1) == 1
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    kw, warps, stages, grid = launch_plan(x, N, K, config, bits=4, group=group)
+    ws, counters = device_scratch(x.device)
+    _w4a16[grid](
+        x, packed, scale.contiguous(), offset.contiguous(),
+        bias if bias is not None else y, residual if residual is not None else y, y, ws, counters,
+        M, N, K, x.stride(0), y.stride(0), residual.stride(0) if residual is not None else 0,
+        kw["split_k"], HAS_BIAS=bias is not None, ACT=gelu, HAS_RES=residual is not None,
+        **{k: v for k, v in kw.items() if k != "split_k"}, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return y
