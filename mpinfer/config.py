@@ -23,7 +23,7 @@ import tomllib
 from .extras import require
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANT_METHODS = ("int8", "llm.int8", "none")
+QUANT_METHODS = ("int8", "int4", "llm.int8", "none")
 
 
 @dataclass(frozen=True)
@@ -35,9 +35,14 @@ class ModelConfig:
     verify: bool = True
     # The model's config.json for `mpinfer plan` when model.path has none (no checkpoint here).
     arch: str = ""
-    # Device memory mpinfer may use per rank, e.g. "22GiB"; "" = all of it. Checked before
-    # loading: a model that does not fit is refused with the numbers.
+    # GPU memory per rank, e.g. "22GiB"; "" = all of it: the process's whole footprint as
+    # nvidia-smi shows it (context, graphs, workspaces, NCCL). Checked before loading (a model
+    # that does not fit is refused with the numbers); the KV cache gets what the process does
+    # not hold after warm-up, less memory_margin.
     memory_budget: str = ""
+    # What the KV cache leaves under the budget for allocator fragmentation and what warm-up
+    # does not allocate (docs/performance.md has the served peaks it was chosen from).
+    memory_margin: str = "256MiB"
     # With a Hub model id as path: the branch, tag or commit to use ("" = main).
     revision: str = ""
     # Blocks whose weights stay in host memory, copied in as each runs (model/offload.py): -1 =
@@ -55,6 +60,11 @@ class QuantConfig:
     threshold: float = 6.0
     # "none": embeddings and the tied LM head stay in the compute dtype; "int8": quantized too.
     embeddings: str = "none"
+    # int4: inputs per group (one scale and offset each); a power of two, 32 to 512, that
+    # divides every matrix's input features per rank.
+    group_size: int = 128
+    # int4: scale = absmax / 7 around zero instead of each group's own min and range.
+    symmetric: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,8 +107,9 @@ class ServerConfig:
     kv_cache_tokens: int = 0
     # Reuse the cached blocks of a prompt's prefix that an earlier request computed.
     prefix_caching: bool = True
-    # "auto": keys and values in the model's dtype; "int8": int8 with a scale per token and
-    # head (about half the memory: twice the tokens; docs/performance.md has its accuracy).
+    # "auto": keys and values in the model's dtype, int8 when blocks are in host memory; "model":
+    # the model's dtype always; "int8": int8 with a scale per token and head (about half the
+    # memory: twice the tokens; docs/performance.md has its accuracy).
     kv_cache_dtype: str = "auto"
     max_queue: int = 128
     # Seconds to finish in-flight requests after SIGTERM/SIGINT before cancelling them; keep it
@@ -145,6 +156,7 @@ class RunConfig:
             raise ValueError(f"model.dtype={self.model.dtype!r}: expected one of {DTYPES}")
         if self.model.memory_budget:
             parse_bytes(self.model.memory_budget, "model.memory_budget")
+        parse_bytes(self.model.memory_margin, "model.memory_margin")
         if self.model.offload_blocks < -1:
             raise ValueError(f"model.offload_blocks={self.model.offload_blocks} must be >= -1 "
                              "(-1: as many as the budget needs)")  # fmt: skip
@@ -159,6 +171,9 @@ class RunConfig:
             raise ValueError(
                 f"quant.embeddings={self.quant.embeddings!r}: expected 'none' or 'int8'"
             )
+        gs = self.quant.group_size
+        if not (32 <= gs <= 512 and gs & (gs - 1) == 0):
+            raise ValueError(f"quant.group_size={gs} must be a power of two from 32 to 512")
         if self.quant.threshold < 0:
             raise ValueError(f"quant.threshold={self.quant.threshold} must be >= 0")
         if self.parallel.tp_size < 0:
@@ -191,9 +206,9 @@ class RunConfig:
         if s.kv_cache_tokens < 0:
             raise ValueError(f"server.kv_cache_tokens={s.kv_cache_tokens} must be >= 0 (0: all "
                              "that fits)")  # fmt: skip
-        if s.kv_cache_dtype not in ("auto", "int8"):
-            raise ValueError(f"server.kv_cache_dtype={s.kv_cache_dtype!r}: expected 'auto' or "
-                             "'int8'")  # fmt: skip
+        if s.kv_cache_dtype not in ("auto", "model", "int8"):
+            raise ValueError(f"server.kv_cache_dtype={s.kv_cache_dtype!r}: expected 'auto', "
+                             "'model' or 'int8'")  # fmt: skip
         if s.prefill_hold_steps < 0:
             raise ValueError(f"server.prefill_hold_steps={s.prefill_hold_steps} must be >= 0")
         return self

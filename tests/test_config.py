@@ -31,7 +31,7 @@ def test_overrides_apply_with_types(tmp_path):
         ("generation.top_k=1.5", "generation.top_k: expected int"),
         ("generation.do_sample=1", "generation.do_sample: expected bool"),
         ('server.port="80"', "server.port: expected int"),
-        ("quant.method=int4", "quant.method='int4'"),
+        ("quant.method=int3", "quant.method='int3'"),
         ("generation.top_p=0", "generation.top_p=0.0 must be in (0, 1]"),
         ("model.dtype=float64", "model.dtype='float64'"),
         ("nodot=3", "the key must be section.key"),

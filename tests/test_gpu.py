@@ -16,12 +16,12 @@ pytestmark = [
 ]
 
 
+ROWS = [1, 3, 16, 17, 64, 100, 128, 256, 576, 2048]  # every row bucket, ragged ones too
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(
-    "M, N, K",
-    [(1, 4096, 4096), (1, 12288, 4096), (3, 1000, 1000), (8, 513, 777), (17, 2048, 16384),
-     (32, 5376, 14336), (64, 300, 128), (100, 4096, 4096), (2048, 1024, 4096)],
-)  # fmt: skip
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("N, K", [(4096, 4096), (1000, 1000), (513, 777), (5376, 14336)])
 def test_int8_linear_matches_reference(M, N, K, dtype):
     from mpinfer.model.kernels import int8_linear
 
@@ -36,6 +36,38 @@ def test_int8_linear_matches_reference(M, N, K, dtype):
     torch.testing.assert_close(ours, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
 
 
+def _int4_reference(x, packed, scale, offset, bias, gelu=False, residual=None):
+    from mpinfer.model.quant import dequantize_int4
+
+    y = x.float() @ dequantize_int4(packed, scale, offset).T + bias.float()
+    if gelu:
+        y = torch.nn.functional.gelu(y, approximate="tanh")
+    return y + residual.float() if residual is not None else y
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("N, K, group", [(4096, 4096, 128), (1000, 1024, 64), (513, 1792, 128),
+                                         (5376, 14336, 128), (300, 2048, 256)])  # fmt: skip
+def test_int4_linear_matches_dequantized_reference(M, N, K, group, dtype):
+    """The W4A16 kernel against the same packed weight dequantized in fp32: the weight's
+    conversion (fp16 arithmetic for fp16, fp32 for bf16) and the output's rounding are the only
+    differences."""
+    from mpinfer.model.kernels import int4_linear
+    from mpinfer.model.quant import quantize_int4
+
+    g = torch.Generator(device="cuda").manual_seed(M * 5 + N + K)
+    w = torch.randn(N, K, device="cuda", generator=g)
+    packed, scale, offset = quantize_int4(w, group, symmetric=M % 2 == 1)
+    x = torch.randn(M, K, device="cuda", generator=g, dtype=dtype)
+    bias = torch.randn(N, device="cuda", generator=g, dtype=dtype)
+    ours = int4_linear(x, packed, scale, offset, bias).float()
+    ref = _int4_reference(x, packed, scale, offset, bias)
+    # fp16 weights w = q s + z round at 2^-11 relative before the fp32-accumulated dot: the
+    # same bound as the int8 kernel's.
+    torch.testing.assert_close(ours, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
 def _fused_reference(x, q, scale, bias, gelu, residual):
     y = int8_linear_reference(x.float(), q, scale, bias.float())
     if gelu:
@@ -44,15 +76,18 @@ def _fused_reference(x, q, scale, bias, gelu, residual):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("M, N, K", [(1, 4096, 4096), (5, 1000, 4160), (32, 16384, 4096)])
+@pytest.mark.parametrize("M, N, K", [(1, 4096, 4096), (5, 1000, 4160), (32, 16384, 4096),
+                                     (300, 4096, 4096), (576, 12288, 4096)])  # fmt: skip
 @pytest.mark.parametrize("epilogue", ["gelu", "residual"])
-def test_int8_linear_fused_epilogue_is_exact_and_repeatable(M, N, K, dtype, epilogue):
-    """The autotuned kernel with the GeLU or the residual add in its epilogue, against the
+def test_int8_and_int4_fused_epilogues_are_exact_and_repeatable(M, N, K, dtype, epilogue):
+    """Both kernels with the GeLU or the residual add in their epilogue, against the
     reference, and bit-identical across calls (split-K partials are summed in a fixed order)."""
-    from mpinfer.model.kernels import int8_linear
+    from mpinfer.model.kernels import int4_linear, int8_linear
+    from mpinfer.model.quant import quantize_int4
 
     g = torch.Generator(device="cuda").manual_seed(M + N + K)
-    q, scale = quantize_rows(torch.randn(N, K, device="cuda", generator=g))
+    w = torch.randn(N, K, device="cuda", generator=g)
+    q, scale = quantize_rows(w)
     x = torch.randn(M, K, device="cuda", generator=g, dtype=dtype)
     bias = torch.randn(N, device="cuda", generator=g, dtype=dtype)
     res = torch.randn(M, N, device="cuda", generator=g, dtype=dtype) * 10
@@ -62,11 +97,18 @@ def test_int8_linear_fused_epilogue_is_exact_and_repeatable(M, N, K, dtype, epil
     ref = _fused_reference(x, q, scale, bias, gelu, res)
     torch.testing.assert_close(ours[0].float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
     assert torch.equal(ours[0], ours[1]) and torch.equal(ours[0], ours[2])
+    if K % 128 == 0:
+        p4 = quantize_int4(w, 128)
+        ours4 = [int4_linear(x, *p4, bias, gelu=gelu, residual=res) for _ in range(3)]
+        ref4 = _int4_reference(x, *p4, bias, gelu, res)
+        torch.testing.assert_close(ours4[0].float(), ref4, rtol=1e-2,
+                                   atol=1e-2 * ref4.abs().max().item())  # fmt: skip
+        assert torch.equal(ours4[0], ours4[1]) and torch.equal(ours4[0], ours4[2])
 
 
 def test_one_row_tuning_is_never_reused_for_several_rows():
     """One row may tune to the one-row loop, which computes row 0 only; 2..16 rows of the same
-    shape must get their own tuning, not that config (they did once: rows 1.. came out empty)."""
+    shape must get their own config, not that one (they did once: rows 1.. came out empty)."""
     from mpinfer.model.kernels import int8_linear
 
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -80,55 +122,50 @@ def test_one_row_tuning_is_never_reused_for_several_rows():
         torch.testing.assert_close(ours, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
 
 
-def _families():
-    """(meta-parameters, num_warps, num_stages) of every kernel variant a tuned table or the
-    autotuner may pick (the sweep's families include the autotuner's)."""
-    from mpinfer.model.kernels import tuning
-
-    return [tuning.parse(n) for n in tuning.names(tuning.SWEEP_FAMILIES, (1,), "float16")]
-
-
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_every_config_family_split_k(dtype):
-    """Every kernel variant a table or the autotuner may pick, with 1 and with 3 K-splits (an
-    uneven split, one of them shorter), on a shape with a ragged edge in N and K, at 1, 7 and 20
-    rows (two row tiles): it matches the reference and leaves every tile counter at zero for the
-    next launch. Tuning only ever runs the winner, so without this a broken variant could wait
-    for the one GPU it wins on."""
-    import triton
+def test_every_config_family_split_k(bits, dtype):
+    """Every kernel variant a table or the default rule may pick, with 1 and with 3 K-splits
+    (an uneven split, one of them shorter), on a shape with a ragged edge in N (and in K for
+    int8), at 1, 7 and 20 rows, and the tiled families at 150 rows (three row tiles of 64, two
+    of 128): it matches the reference and leaves every tile counter at zero for the next
+    launch. Tuning only ever runs the winner, so without this a broken variant could wait for
+    the one GPU it wins on."""
+    from mpinfer.model.kernels import launch, tuning, w4a16, w8a16
+    from mpinfer.model.quant import quantize_int4
 
-    from mpinfer.model.kernels import tuning, w8a16
-
-    jit = w8a16._w8a16_kernel.fn.fn  # under the autotuner and the heuristics
-    ws, counters = w8a16._device_scratch(torch.device("cuda"))
+    _, counters = launch.device_scratch(torch.device("cuda"))
     g = torch.Generator(device="cuda").manual_seed(3)
-    N, K = 1000, 2112
-    q, scale = quantize_rows(torch.randn(N, K, device="cuda", generator=g))
+    N, K = 1000, 2112 if bits == 8 else 2048
+    w = torch.randn(N, K, device="cuda", generator=g)
     bias = torch.randn(N, device="cuda", generator=g, dtype=dtype)
+    dt = tuning.dtype_name(dtype)
+    if bits == 8:
+        q, scale = quantize_rows(w)
+        names = (tuning.names(tuning.SWEEP_FAMILIES, (1, 3), dt)
+                 + tuning.names(tuning.TILED_FAMILIES, (1, 3), dt))  # fmt: skip
+    else:
+        p4 = quantize_int4(w, 128)
+        names = tuning.names(tuning.INT4_FAMILIES, (1, 3), dt, bits=4, group=128)
     failures = []
-    for kw, num_warps, num_stages in _families():
-        if kw["MAGIC"] not in tuning.magics(tuning.dtype_name(dtype)):
-            continue
-        for M in (1, 7, 20) if kw["USE_DOT"] else (1,):
+    for config in names:
+        kw, _, _ = tuning.parse(config)
+        rows = (150,) if kw["BLOCK_M"] else (1, 7, 20) if kw["USE_DOT"] else (1,)
+        for M in rows:
+            if M == 1 and kw["SWAP"]:
+                continue
             x = torch.randn(M, K, device="cuda", generator=g, dtype=dtype)
             res = torch.randn(M, N, device="cuda", generator=g, dtype=dtype)
-            ref = _fused_reference(x, q, scale, bias, True, res)
-            for split in (1, 3):
-                y = torch.empty(M, N, device="cuda", dtype=dtype)
-                grid = (triton.cdiv(N, kw["BLOCK_N"]), split, triton.cdiv(M, 16))
-                jit[grid](
-                    x, q, scale, bias, res, y, ws, counters,
-                    M, N, K, x.stride(0), q.stride(0), y.stride(0), res.stride(0), split,
-                    int(M == 1), BLOCK_M=16, HAS_BIAS=True, ACT=True, HAS_RES=True,
-                    MAGIC=kw["MAGIC"], USE_DOT=kw["USE_DOT"], SWAP=kw["SWAP"],
-                    BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"],
-                    PREFETCH=kw["PREFETCH"], EVEN_K=K % kw["BLOCK_K"] == 0,
-                    num_warps=num_warps, num_stages=num_stages,
-                )  # fmt: skip
-                err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
-                if not err < 1e-2 or counters.any():
-                    failures.append((kw, num_warps, num_stages, M, split, err))
-                counters.zero_()
+            if bits == 8:
+                y = w8a16.w8a16_matmul(x, q, scale, bias, gelu=True, residual=res, config=config)
+                ref = _fused_reference(x, q, scale, bias, True, res)
+            else:
+                y = w4a16.w4a16_matmul(x, *p4, bias, gelu=True, residual=res, config=config)
+                ref = _int4_reference(x, *p4, bias, True, res)
+            err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
+            if not err < 1e-2 or counters.any():
+                failures.append((config, M, err))
+            counters.zero_()
     assert not failures, failures
 
 
@@ -224,7 +261,7 @@ def test_sampler_on_the_gpu_is_batch_independent_and_matches_the_cpu():
 def test_padding_rows_of_a_bucket_write_nothing():
     """A step of 3 rows replays the 4-row graph: the padding row (slot -1) writes no cache
     entry, so every slot but the 3 decoded ones is unchanged, bit for bit."""
-    from mpinfer.engine.runner import Step
+    from mpinfer.engine.step import Step
     from mpinfer.tools.randmodel import build_random, fill_context, make_runner
 
     model, shape, tp = build_random("bloom-560m", "int8")
@@ -319,7 +356,8 @@ def test_flat_step_kernels_match_the_reference_attention(dtype, block_size, kv):
     start mid-row and span several tiles, a chunk of one token; rows on shuffled blocks of 16
     and on one block each; padding tokens (row -1) write nothing; the cache in the model's
     dtype and in int8 with a scale per token and head."""
-    from mpinfer.engine.runner import Layout, Prefill, Step, StepInputs
+    from mpinfer.engine.runner import Layout, StepInputs
+    from mpinfer.engine.step import Prefill, Step
     from mpinfer.model.attention import FlatBatch, KVCache, attend_kernels, attend_reference
     from mpinfer.model.bloom import BloomShape, alibi_slopes
 
@@ -402,3 +440,49 @@ def test_chunked_prompts_equal_unchunked_through_the_engine():
         out[budget] = _engine_tokens(runner, prompts, params, max_prefill_tokens=budget)
         del runner
     assert out[48] == out[1024]
+
+
+@pytest.fixture(scope="module")
+def random_560m(tmp_path_factory):
+    """bloom-560m's shape with random weights on disk (1 GB, fp16): a real model's layout."""
+    from mpinfer.tools.randmodel import SHAPES
+    from mpinfer.tools.tiny import make_tiny
+
+    s = SHAPES["bloom-560m"]
+    path = tmp_path_factory.mktemp("m560") / "bloom-560m-random"
+    make_tiny(path, layers=s.n_layer, hidden=s.hidden_size, heads=s.n_head, vocab=s.vocab_size,
+              shards=2, dtype="float16", device="cuda")  # fmt: skip
+    torch.cuda.empty_cache()
+    return path
+
+
+@pytest.mark.parametrize("budget, offload", [("3GiB", False), ("1500MiB", True)])
+def test_the_server_never_holds_more_than_its_budget(random_560m, budget, offload):
+    """`mpinfer serve` under a budget, 64 closed-loop clients of the unique mix (prompts of 20
+    to 1,400 tokens, 32-256 new tokens) for 15 s, the server's GPU memory as NVML counts it read
+    every 100 ms: the peak is at most the budget. 1500 MiB is under bloom-560m's weights and
+    workspace: blocks in host memory, planned for throughput."""
+    import asyncio
+
+    import httpx
+
+    from mpinfer.config import parse_bytes
+    from mpinfer.tools import loadgen
+    from mpinfer.tools.budgetbench import ProcessMemory
+    from mpinfer.tools.serverproc import ServerProcess
+
+    server = ServerProcess(1, str(random_560m), 'quant.method="int8"', 'model.dtype="float16"',
+                           f'model.memory_budget="{budget}"', "server.max_batch_slots=64",
+                           "server.max_queue=1024")  # fmt: skip
+    mem = ProcessMemory(server.proc.pid)
+    try:
+        info = httpx.get(server.url + "/info", timeout=10).json()
+        load = asyncio.run(loadgen.closed_loop(server.url, 64, 15))
+    finally:
+        peak = mem.close()["peak_MiB"]
+        server.stop()
+        log = server.output()
+    assert load["errors"] == 0 and load["requests"] > 64, load
+    assert ("blocks in host memory" in log) == offload, log[-3000:]
+    limit = parse_bytes(budget, "budget") / 2**20
+    assert peak is not None and peak <= limit, (peak, limit, info)

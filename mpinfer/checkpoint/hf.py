@@ -196,13 +196,13 @@ def check_checkpoint(ckpt: HFCheckpoint, specs: list[ShardSpec]) -> None:
             )
 
 
-def inspect_checkpoint(
-    model_dir: str, tp_size: int, *, quant: str, embeddings: str
-) -> tuple[dict, BloomShape, HFCheckpoint]:
-    """Read config.json and check every tensor's presence and shape (no weights read)."""
+def inspect_checkpoint(model_dir: str, tp_size: int, quant) -> tuple[dict, BloomShape,
+                                                                    HFCheckpoint]:  # fmt: skip
+    """Read config.json and check every tensor's presence and shape (no weights read); `quant`
+    the run's [quant] section (its int4 group size must divide every matrix's rank slice)."""
     config_dict = read_config(model_dir)
     shape = BloomShape.from_config(config_dict)
     shape.check_tp(tp_size)
     ckpt = HFCheckpoint(model_dir)
-    check_checkpoint(ckpt, specs_for(shape, tp_size, quant, embeddings))
+    check_checkpoint(ckpt, specs_for(shape, tp_size, quant))
     return config_dict, shape, ckpt

@@ -30,8 +30,9 @@ from ..config import RunConfig
 from ..dist import DistContext, broadcast_object, gather_objects
 from ..model.bloom import DTYPES, BloomModel, BloomShape, LoadedModel
 from ..model.layers import TPGroup
-from ..model.memory import OffloadPlan, check_fits
+from ..model.memory import budget_bytes
 from ..model.offload import HostArena, Offload
+from ..model.offloadplan import OffloadPlan, check_fits, plan_for_throughput
 from ..model.quant import make_linear_method
 from ..model.sharding import ShardSpec, rank_entries, shard_tensor, specs_for
 from . import sharded
@@ -59,7 +60,8 @@ def resolve_tp_size(cfg: RunConfig, world_size: int) -> int:
 
 def build_meta_model(shape: BloomShape, tp: TPGroup, cfg: RunConfig, dtype) -> BloomModel:
     """The whole model on the meta device: shapes and dtypes only, no memory, no init."""
-    method = make_linear_method(cfg.quant.method, threshold=cfg.quant.threshold)
+    method = make_linear_method(cfg.quant.method, threshold=cfg.quant.threshold,
+                                group_size=cfg.quant.group_size)  # fmt: skip
     emb_method = make_linear_method("int8" if cfg.quant.embeddings == "int8" else "none")
     with torch.device("meta"):
         return BloomModel(shape, tp, method=method, embedding_method=emb_method, dtype=dtype)
@@ -135,9 +137,8 @@ def agree_on_model(cfg: RunConfig, ctx: DistContext) -> tuple[BloomShape, int, H
     if ctx.is_rank0:
         try:
             config_dict, _, ckpt = inspect_checkpoint(
-                cfg.model.path, resolve_tp_size(cfg, ctx.world_size),
-                quant=cfg.quant.method, embeddings=cfg.quant.embeddings,
-            )  # fmt: skip
+                cfg.model.path, resolve_tp_size(cfg, ctx.world_size), cfg.quant
+            )
         except ValueError as e:
             error = str(e)
     error, config_dict = broadcast_object((error, config_dict), ctx)
@@ -232,14 +233,29 @@ def load_model(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
     return _report(loaded, t0, mem, ctx)
 
 
+def plan_run(cfg: RunConfig, shape: BloomShape, tp_size: int, ctx: DistContext) -> RunConfig:
+    """The config this run loads with: a model over its budget gets the throughput plan
+    (offloadplan.plan_for_throughput), decided on rank 0 and the same on every rank."""
+    if ctx.device.type != "cuda":
+        return cfg
+    fast = None
+    if ctx.is_rank0:
+        cfg, fast = plan_for_throughput(shape, cfg, tp_size=tp_size,
+                                        budget=budget_bytes(cfg, ctx.device))  # fmt: skip
+        if fast is not None:
+            log.info("over the budget: %s", " ".join(fast.lines(25.0)))
+    return broadcast_object(cfg, ctx)
+
+
 def _load_from_hf(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
     shape, tp_size, ckpt = agree_on_model(cfg, ctx)
+    cfg = plan_run(cfg, shape, tp_size, ctx)
     off = offload_of(check_fits(shape, cfg, tp_size=tp_size, device=ctx.device))
     dtype = resolve_dtype(cfg.model.dtype, ctx.device)
     tp = TPGroup(ctx.rank, tp_size, ctx.compute_group if tp_size > 1 else None)
     model = build_meta_model(shape, tp, cfg, dtype)
     place, arena = placement(off, ctx.device, model)
-    specs = specs_for(shape, tp_size, cfg.quant.method, cfg.quant.embeddings)
+    specs = specs_for(shape, tp_size, cfg.quant)
     if ctx.is_rank0:
         log.info(
             "loading %s (%.2f GB on disk) with tp=%d, quant=%s, dtype=%s",
@@ -253,7 +269,7 @@ def _load_from_hf(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
     else:
         _stream_other(model, specs, tp_size, dtype, ctx, place)
     finish_model(model, ctx.device, off, arena)
-    return LoadedModel(model, shape, tp, dtype, ctx.device, cfg.model.path)
+    return LoadedModel(model, shape, tp, dtype, ctx.device, cfg.model.path, cfg=cfg)
 
 
 def _load_sharded(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
@@ -269,6 +285,7 @@ def _load_sharded(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
         raise ValueError("; ".join(errors))
     tp_size = manifest["tp_size"]
     shape = BloomShape.from_config(manifest["model_config"])
+    cfg = plan_run(cfg, shape, tp_size, ctx)
     off = offload_of(check_fits(shape, cfg, tp_size=tp_size, device=ctx.device))
     dtype = resolve_dtype(cfg.model.dtype, ctx.device)
     tp = TPGroup(ctx.rank, tp_size, ctx.compute_group if tp_size > 1 else None)
@@ -282,11 +299,13 @@ def _load_sharded(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
     with safe_open(str(path), framework="pt", device=device) as f:
         for name in f.keys():
             t = f.get_tensor(name)
-            if t.dtype != torch.int8 and not name.endswith("_scale"):
+            # Tensors kept in the compute dtype were written in the source's (or --dtype's);
+            # quantized weights and their scales and offsets have a fixed dtype of their own.
+            if t.is_floating_point() and model.get_parameter(name).dtype == dtype:
                 t = t.to(dtype)
             assign_tensor(model, name, place(name, t))
     finish_model(model, ctx.device, off, arena)
-    return LoadedModel(model, shape, tp, dtype, ctx.device, str(out))
+    return LoadedModel(model, shape, tp, dtype, ctx.device, str(out), cfg=cfg)
 
 
 def gather_everywhere(obj, ctx: DistContext) -> list:

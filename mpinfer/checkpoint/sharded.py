@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 from .. import __version__
-from ..config import RunConfig
+from ..config import QuantConfig, RunConfig
 from ..model.bloom import DTYPES
 from ..model.sharding import rank_entries, shard_tensor, specs_for
 from .hf import CheckpointError, inspect_checkpoint, read_config
@@ -45,8 +45,17 @@ log = logging.getLogger("mpinfer")
 MANIFEST = "mpinfer.json"
 JOURNAL = "mpinfer.partial.json"
 FORMAT, VERSION = "mpinfer-sharded", 1
-ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8"}
+ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8",
+             torch.uint8: "U8"}  # fmt: skip
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
+
+
+def quant_record(q: QuantConfig) -> dict:
+    """What the manifest says of the weights' format (int4's group and symmetry too)."""
+    out = {"method": q.method, "embeddings": q.embeddings}
+    if q.method == "int4":
+        out.update(group_size=q.group_size, symmetric=q.symmetric)
+    return out
 
 
 def rank_file(rank: int, tp_size: int) -> str:
@@ -123,12 +132,15 @@ def shard_checkpoint(
     tp_size: int,
     quant: str = "int8",
     embeddings: str = "none",
+    group_size: int = 128,
+    symmetric: bool = False,
     dtype: str = "auto",
     ranks: list[int] | None = None,
     progress: bool = True,
 ) -> dict:
     """Write DIR (see the module docstring); returns the manifest. Resumes an interrupted run.
-    `ranks`: write only these ranks' files (default: all)."""
+    `ranks`: write only these ranks' files (default: all); `group_size` and `symmetric`: int4's
+    (quant.py)."""
     if tp_size < 1:
         raise ValueError(f"--tp={tp_size} must be >= 1")
     if dtype != "auto" and dtype not in DTYPES:
@@ -138,9 +150,11 @@ def shard_checkpoint(
         raise ValueError(
             f"--ranks {ranks}: every rank must be in 0..{tp_size - 1} (--tp={tp_size})"
         )
-    config_dict, shape, ckpt = inspect_checkpoint(model_dir, tp_size, quant=quant,
-                                                  embeddings=embeddings)  # fmt: skip
-    specs = specs_for(shape, tp_size, quant, embeddings)
+    qcfg = QuantConfig(method=quant, embeddings=embeddings, group_size=group_size,
+                       symmetric=symmetric)  # fmt: skip
+    RunConfig(quant=qcfg).validate()  # the same checks (and messages) as a config file's
+    config_dict, shape, ckpt = inspect_checkpoint(model_dir, tp_size, qcfg)
+    specs = specs_for(shape, tp_size, qcfg)
     src, out = Path(model_dir), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if src.resolve() == out.resolve():
@@ -150,7 +164,7 @@ def shard_checkpoint(
         "version": VERSION,
         "tp_size": tp_size,
         "ranks": ranks,
-        "quant": {"method": quant, "embeddings": embeddings},
+        "quant": quant_record(qcfg),
         "dtype": dtype,
         "source": {"path": str(src.resolve()), "fingerprint": source_fingerprint(src)},
     }
@@ -329,6 +343,10 @@ def check_rank(cfg: RunConfig, manifest: dict, out: Path, rank: int, world: int)
             f"{out} holds quant.embeddings={stored['embeddings']!r}, the config asks for "
             f"quant.embeddings={asked.embeddings!r}"
         )
+    for key in ("group_size", "symmetric"):
+        if key in stored and stored[key] != getattr(asked, key):
+            raise ValueError(f"{out} holds int4 weights with quant.{key}={stored[key]!r}, the "
+                             f"config asks for quant.{key}={getattr(asked, key)!r}")  # fmt: skip
     if read_config(out) != manifest["model_config"]:
         raise ValueError(f"{out}/config.json does not match the model config in its manifest")
     host = socket.gethostname()

@@ -333,3 +333,6 @@ class LoadedModel:
     load_seconds: float = 0.0
     # Every rank's (start, peak, end) anonymous host RSS in MiB during the load; rank 0 only.
     host_rss_mib: list[tuple[float, float, float]] | None = None
+    # The config the model was loaded with (config.RunConfig): the given one, or the throughput
+    # plan of a model over its budget (offloadplan.py), whose rows and KV dtype start-up uses.
+    cfg: object = None

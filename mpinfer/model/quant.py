@@ -1,12 +1,22 @@
-"""int8 weight format and the linear methods that own a layer's matmul.
+"""The quantized weight formats and the linear methods that own a layer's matmul.
 
-Format: symmetric int8 per output row, `scale = absmax / 127` (float32), `w ~= q * scale[:, None]`.
+int8: symmetric per output row, `scale = absmax / 127` (float32), `w ~= q * scale[:, None]`.
+int4: per group of G consecutive inputs (quant.group_size), round to nearest, from the
+checkpoint's weights; `w ~= q * scale[g] + offset[g]` with q in 0..15 and scale, offset fp16 per
+(group, row), stored group-major [in / G, out] (a kernel tile's scales are contiguous).
+Asymmetric (the default): offset = the group's min, scale = range / 15. Symmetric: scale =
+absmax / 7, offset = -8 scale (q - 8 in -8..7). Packed two a byte: group g of a row is G/2
+bytes, byte b holding input g G + b (low nibble) and g G + G/2 + b (high nibble), so a kernel's
+K tile of one group pairs each nibble half with a contiguous half of x.
+
 A TP layer (layers.py) owns slicing and its one collective; a `LinearMethod` owns the weights'
 storage and the matmul, vLLM's `quant_method.apply` split:
 
     DenseMethod   compute-dtype weight, F.linear
     Int8Method    weight-only int8 (W8A16): int8 weight + row scales; the pure-torch reference
                   here, the Triton kernels (kernels/) on CUDA when they are available
+    Int4Method    weight-only group-wise int4 (W4A16): packed weight, scales and offsets; the
+                  reference dequantizes and calls F.linear, the GPU runs kernels/w4a16.py
     BnbInt8Method bitsandbytes LLM.int8() (int8 activations, fp16 outlier columns); the same
                   stored int8 + scales, so one sharded file serves both int8 methods
 
@@ -22,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..extras import require
-from .kernels import epilogue, int8_linear
+from .kernels import epilogue, int4_linear, int8_linear
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,6 +46,42 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float()[:, None]
+
+
+def quantize_int4(w: torch.Tensor, group: int, *, symmetric: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(packed uint8 [out, in/2], scale fp16 [in/group, out], offset fp16 [in/group, out]) of
+    w [out, in] (the module docstring's format). q is rounded against the stored fp16 scale and
+    offset, so dequantizing what is stored is the closest value the format holds."""
+    N, K = w.shape
+    if K % group or group % 2:
+        raise ValueError(f"int4: {K} input features are not a multiple of quant.group_size="
+                         f"{group}")  # fmt: skip
+    g = w.float().reshape(N, K // group, group)
+    if symmetric:
+        scale = g.abs().amax(-1) / 7
+    else:
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = (hi - lo) / 15
+    scale = scale.half()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: q = 0
+    offset = (-8 * scale) if symmetric else lo.half()
+    q = torch.round((g - offset.float()[..., None]) / scale.float()[..., None]).clamp_(0, 15)
+    q = q.to(torch.uint8)
+    half = group // 2
+    packed = q[..., :half] | (q[..., half:] << 4)  # (N, K / group, group / 2)
+    return packed.reshape(N, K // 2).contiguous(), scale.T.contiguous(), offset.T.contiguous()
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+                    ) -> torch.Tensor:  # fmt: skip
+    """The fp32 weight [out, in] a packed int4 weight stands for."""
+    groups, N = scale.shape
+    half = packed.shape[1] // groups
+    p = packed.reshape(N, groups, half)
+    q = torch.cat([p & 0xF, p >> 4], dim=-1).float()  # (N, groups, group)
+    s, z = scale.float().T[..., None], offset.float().T[..., None]  # (N, groups, 1)
+    return (q * s + z).reshape(N, 2 * half * groups)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -126,6 +172,36 @@ def int8_linear_reference(
     return y + bias if bias is not None else y
 
 
+class Int4Method(LinearMethod):
+    is_quantized = True
+
+    def __init__(self, *, group_size: int = 128, use_kernels: bool = True):
+        self.group_size = group_size
+        self.use_kernels = use_kernels
+
+    def create_weights(self, layer, out_features, in_features, dtype):
+        groups = in_features // self.group_size
+        layer.weight = _empty((out_features, in_features // 2), torch.uint8)
+        layer.weight_scale = _empty((groups, out_features), torch.float16)
+        layer.weight_offset = _empty((groups, out_features), torch.float16)
+        layer.compute_dtype = dtype
+
+    def apply(self, layer, x, bias):
+        return self.apply_fused(layer, x, bias)
+
+    def apply_fused(self, layer, x, bias, *, gelu=False, residual=None):
+        w = (layer.weight, layer.weight_scale, layer.weight_offset)
+        if self.use_kernels and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+            return int4_linear(x, *w, bias, gelu=gelu, residual=residual)
+        y = F.linear(x, dequantize_int4(*w).to(x.dtype), bias)  # the reference
+        return epilogue(y, gelu=gelu, residual=residual)
+
+    def weight_rows(self, layer, ids):
+        flat = ids.reshape(-1)
+        w = (layer.weight[flat], layer.weight_scale[:, flat], layer.weight_offset[:, flat])
+        return dequantize_int4(*w).reshape(*ids.shape, -1).to(layer.compute_dtype)
+
+
 class BnbInt8Method(Int8Method):
     """bitsandbytes LLM.int8(): activations quantized per row, outlier columns kept in fp16."""
 
@@ -156,12 +232,15 @@ class BnbInt8Method(Int8Method):
         return y + bias if bias is not None else y
 
 
-def make_linear_method(method: str, *, threshold: float = 6.0) -> LinearMethod:
+def make_linear_method(method: str, *, threshold: float = 6.0, group_size: int = 128
+                       ) -> LinearMethod:  # fmt: skip
     if method == "none":
         return DenseMethod()
     if method == "int8":
         return Int8Method()
+    if method == "int4":
+        return Int4Method(group_size=group_size)
     if method == "llm.int8":
         require("bitsandbytes")  # a clear error naming the extra, before any weight moves
         return BnbInt8Method(threshold=threshold)
-    raise ValueError(f"quant.method={method!r}: expected int8, llm.int8 or none")
+    raise ValueError(f"quant.method={method!r}: expected int8, int4, llm.int8 or none")

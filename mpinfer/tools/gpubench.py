@@ -23,7 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ..config import load_config
-from ..engine.runner import Prefill, Step
+from ..engine.step import Prefill, Step
 from ..extras import require
 from ..model.memory import plan_memory
 from .memcheck import MEMORY_CASES, memory_check, memory_check_table
@@ -150,7 +150,7 @@ def run_gpu(args) -> dict:
     print(
         f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s"
     )
-    batches, ctx, pre = (1, 8, 32), 512, (512, 2048)
+    batches, ctx, pre = tuple(args.batches), args.context, (512, 2048)
     rows = []
     for label, kind in args.rows:
         free_gpu()
@@ -169,7 +169,10 @@ def run_gpu(args) -> dict:
             )
         else:
             model, shape, tp = build_random(args.shape, kind)
-            block_params = sum(p.numel() for p in model.h.parameters() if p.dtype != torch.float32)
+            # the block matrices' weights (int4 packs two a byte)
+            block_params = sum(p.numel() * (2 if p.dtype == torch.uint8 else 1)
+                               for n, p in model.h.named_parameters()
+                               if n.endswith(".weight") and p.dim() == 2)  # fmt: skip
             build_s = time.perf_counter() - t0
             res = bench_mpinfer(
                 model,
@@ -290,6 +293,10 @@ def kv_at_24gib(model, shape, tp, kv_dtype: str, request: int = 768, context: in
     }
 
 
+def _ms(d: dict, batch: int) -> str:
+    return f"{d[batch]:.2f}" if batch in d else "-"
+
+
 def markdown(result: dict) -> str:
     c = result["ceilings"]
     header = ["row", "weights GB", "floor ms", "decode ms b=1", "b=8", "b=32", "b=1 / floor",
@@ -298,12 +305,13 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         d, p = r["decode_ms"], r["prefill_ms"]
         rows.append([r["row"], f"{r['weight_GB']:.2f}", f"{r['floor_ms']:.2f}", f"{d[1]:.2f}",
-                     f"{d[8]:.2f}", f"{d[32]:.2f}", f"{d[1] / r['floor_ms']:.2f}", f"{p[512]:.1f}",
+                     _ms(d, 8), _ms(d, 32), f"{d[1] / r['floor_ms']:.2f}", f"{p[512]:.1f}",
                      f"{p[2048]:.1f}", f"{r['prefill_TFLOPs'][2048]:.0f}",
                      f"{r['peak_GB']:.1f}"])  # fmt: skip
     lines = [
         f"{result['machine'].get('gpu', 'cpu')}: copy {c['copy_bandwidth_GBps'] / 1e3:.2f} TB/s, "
-        f"bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s; shape {result['shape']}, context 512",
+        f"bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s; shape {result['shape']}, context "
+        f"{result['context']}",
         "",
         md_table(header, rows),
     ]
@@ -336,6 +344,9 @@ ROWS = {
     "mpinfer-int8": "int8",
     "mpinfer-int8-bf16": "int8@bf16",
     "mpinfer-int8+emb8": "int8:emb8",
+    "mpinfer-int4": "int4",
+    "mpinfer-int4-bf16": "int4@bf16",
+    "mpinfer-int4+emb8": "int4:emb8",
     "mpinfer-fp16": "none",
     "mpinfer-llm.int8": "llm.int8",
     "transformers-fp16": "hf-fp16",
@@ -346,15 +357,26 @@ ROWS = {
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="mpinfer bench gpu", description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="bloom-7b1", choices=list(SHAPES))
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {list(ROWS)}")
+    p.add_argument("--rows", default=",".join(r for r in ROWS if "int4" not in r),
+                   help=f"comma list of {list(ROWS)}")  # fmt: skip
+    p.add_argument("--quant", default="", choices=["", "int8", "int4"],
+                   help="only mpinfer's rows of this method (int4: with int8 beside it where "
+                   "both fit, e.g. --shape bloom-176b --quant int4 --batches 1,8)")  # fmt: skip
     p.add_argument("--simulate-tp", type=int, default=0, help="also one BLOOM-176B rank of tp=N")
     p.add_argument("--memory", action="store_true",
                    help="also the planner against the GPU (memcheck.MEMORY_CASES)")  # fmt: skip
     p.add_argument("--gpu-mem", default="",
                    help="a GPU budget below the model: blocks stream from host memory "
                    "(offloadbench.py); e.g. 4GiB")  # fmt: skip
-    p.add_argument("--batches", default="1,32,128", help="with --gpu-mem: decode batch sizes")
-    p.add_argument("--context", type=int, default=64, help="with --gpu-mem: tokens before")
+    p.add_argument(
+        "--batches", default="", help="decode batch sizes (default 1,8,32; with --gpu-mem 1,32,128)"
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=0,
+        help="tokens before each decode step (default 512; with --gpu-mem 64)",
+    )
     p.add_argument("--kv-rows", type=int, default=1,
                    help="with --gpu-mem: sequences whose KV cache the budget holds")  # fmt: skip
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
@@ -364,12 +386,20 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("error: `mpinfer bench gpu` needs a CUDA GPU")
         return 2
+    a.batches = a.batches or ("1,32,128" if a.gpu_mem else "1,8,32")
+    a.context = a.context or (64 if a.gpu_mem else 512)
     if a.gpu_mem:
         result = run_offload(a)
         save_result(result, a.out or f"bench/results/offload-{a.shape}.json",
                     offload_markdown(result))  # fmt: skip
         return 0
     a.out = a.out or "bench/results/gpu.json"
+    if a.quant:
+        fits = a.shape != "bloom-176b"  # 176B int8 does not fit one GPU (see --gpu-mem)
+        a.rows = "mpinfer-int4,mpinfer-int4-bf16" if a.quant == "int4" else ""
+        a.rows = ",".join(filter(None, ["mpinfer-int8" if fits else "", a.rows]))
+        a.rows = a.rows or "mpinfer-int8,mpinfer-int8-bf16"
+    a.batches = [int(b) for b in a.batches.split(",")]
     a.rows = [(r, ROWS[r]) for r in a.rows.split(",")]
     result = run_gpu(a)
     save_result(result, a.out, markdown(result))

@@ -90,7 +90,7 @@ def largest_slice_mib(model: str, tp: int, dtype_bytes: int = 4) -> float:
     """The largest tensor slice a rank holds, in the compute dtype (fp32 on CPU)."""
     shape = BloomShape.from_config(json.loads((Path(model) / "config.json").read_text()))
     biggest = 0
-    for spec in shard_specs(shape, tp, quantize=True, quantize_embeddings=False):
+    for spec in shard_specs(shape, tp, weights="int8"):
         n = torch.Size(spec.rank_shape(tp)).numel()
         biggest = max(biggest, n * (1 if spec.quantize else dtype_bytes))
     return biggest / 2**20

@@ -20,7 +20,8 @@ import torch
 from ..checkpoint.loader import build_meta_model, finish_model
 from ..config import load_config
 from ..dist import DistContext
-from ..engine.runner import ModelRunner, Prefill, Step
+from ..engine.runner import ModelRunner
+from ..engine.step import Prefill, Step
 from ..model.bloom import BloomShape, LoadedModel
 from ..model.layers import TPGroup
 
@@ -37,15 +38,22 @@ SHAPES = load_shapes()
 
 def randomize_model(model, *, seed: int = 0, finish: bool = True) -> None:
     """Fill a model (storage uninitialized, on its device or in host memory) with random
-    weights: int8 rows with scales giving std ~1/sqrt(fan_in), unit LayerNorms. The values are
+    weights: int8 rows (or int4 groups) with scales giving std ~1/sqrt(fan_in), unit
+    LayerNorms. The values are
     drawn on the GPU when there is one, so a weight gets the same values wherever it lives.
     `finish`: also run the after-load hooks."""
     gen = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator(device=gen).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dtype == torch.int8:
-                p.copy_(torch.randint(-127, 128, p.shape, generator=g, device=gen, dtype=p.dtype))
+            if p.dtype in (torch.int8, torch.uint8):  # int8 rows, or two int4 values a byte
+                lo, hi = (-127, 128) if p.dtype == torch.int8 else (0, 256)
+                p.copy_(torch.randint(lo, hi, p.shape, generator=g, device=gen, dtype=p.dtype))
+            elif name.endswith("weight_scale") and p.dim() == 2:  # int4: q uniform in 0..15
+                fan_in = 2 * model.get_parameter(name[: -len("_scale")]).shape[1]
+                p.fill_(1 / 4.61 / math.sqrt(fan_in))  # 4.61: the std of q
+            elif name.endswith("weight_offset"):
+                p.copy_(model.get_parameter(name[: -len("_offset")] + "_scale") * -7.5)
             elif name.endswith("weight_scale"):
                 fan_in = model.get_parameter(name[: -len("_scale")]).shape[1]
                 p.fill_(1.7 / math.sqrt(fan_in) / 127)

@@ -168,7 +168,7 @@ def make_tiny(
     (out / "config.json").write_text(json.dumps(bloom_config(shape, dtype), indent=2) + "\n")
     train_tokenizer(out, min(vocab, tokenizer_vocab or 8192), seed, fill_to=vocab)
 
-    specs = shard_specs(shape, 1, quantize=False, quantize_embeddings=False)
+    specs = shard_specs(shape, 1, weights="none")
     gen = torch.Generator(device=device).manual_seed(seed)
     total = sum(torch.Size(p.shape).numel() for p in specs) * torch_dtype[dtype].itemsize
     per_shard = -(-total // shards)
