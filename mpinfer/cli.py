@@ -26,17 +26,8 @@ from .checkpoint.sharded import shard_checkpoint, verify_dir
 from .config import add_config_args, config_from_args, load_config, parse_bytes
 from .dist import broadcast_object
 from .model.bloom import BloomShape
-from .model.memory import (
-    COMMON_GPUS,
-    GIB,
-    check_host_memory,
-    plan_memory,
-    plan_offload,
-    plan_table,
-    suggest,
-    tp_sizes_for,
-    with_offload,
-)
+from .model.memory import COMMON_GPUS, GIB, plan_memory, plan_table, suggest, tp_sizes_for
+from .model.offloadplan import check_host_memory, plan_for_throughput, plan_offload, with_offload
 from .startup.launcher import Topology, add_launch_args, launch
 from .startup.runtime import default_params, load_tokenizer, run_rank, start
 
@@ -236,8 +227,12 @@ def shard_main(argv: list[str]) -> int:
     p.add_argument("--model", required=True, help="HF checkpoint directory")
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--quant", default="int8", choices=("int8", "llm.int8", "none"))
+    p.add_argument("--quant", default="int8", choices=("int8", "int4", "llm.int8", "none"))
     p.add_argument("--embeddings", default="none", choices=("none", "int8"))
+    p.add_argument("--group-size", type=int, default=128,
+                   help="int4: inputs per group (one fp16 scale and offset each)")  # fmt: skip
+    p.add_argument("--symmetric", action="store_true",
+                   help="int4: symmetric groups (no offset of their own)")  # fmt: skip
     p.add_argument("--dtype", default="auto", help="dtype of unquantized tensors (auto: as stored)")
     p.add_argument("--ranks", help="write only these ranks' files, e.g. 0-3 (one host's part)")
     a = p.parse_args(argv)
@@ -248,7 +243,8 @@ def shard_main(argv: list[str]) -> int:
         ranks = parse_ranks(a.ranks) if a.ranks else None
         with HostMemoryMonitor() as mem:
             m = shard_checkpoint(a.model, a.out, tp_size=a.tp, quant=a.quant,
-                                 embeddings=a.embeddings, dtype=a.dtype, ranks=ranks)  # fmt: skip
+                                 embeddings=a.embeddings, group_size=a.group_size,
+                                 symmetric=a.symmetric, dtype=a.dtype, ranks=ranks)  # fmt: skip
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -338,19 +334,31 @@ def plan_main(argv: list[str]) -> int:
         return print_plan_table(shape, cfg, tp, request)
     tp = tp or 1
     try:
-        off = plan_offload(shape, cfg, tp_size=tp, budget=budget)
         # Every rank of the group on one host, each pinning its own share of the blocks.
         have = parse_bytes(a.host_mem, "--host-mem") if a.host_mem else None
+        asked = cfg
+        cfg, fast = plan_for_throughput(
+            shape, cfg, tp_size=tp, budget=budget,
+            host_bytes=have // tp if have is not None else None,
+            host_gbps=a.host_gbps, gpu_tbps=a.gpu_tbps, gpu_tflops=a.gpu_tflops)  # fmt: skip
+        off = plan_offload(shape, cfg, tp_size=tp, budget=budget)
         check_host_memory(off, ranks=tp, available=have)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    whole = plan_memory(shape, cfg, tp_size=tp, budget=budget)
-    plan = with_offload(whole, off)
+    whole = plan_memory(shape, asked, tp_size=tp, budget=budget)
+    plan = with_offload(plan_memory(shape, cfg, tp_size=tp, budget=budget), off)
     print(f"tp={tp}")
     print("\n".join(plan.lines(request)))
     if off is not None:
         print("\n".join(off.lines(shape.n_layer, a.host_gbps, a.gpu_tbps, a.gpu_tflops)))
+    if fast is not None:
+        s = cfg.server
+        print("\n".join(fast.lines(a.host_gbps)))
+        print(f"(what start-up sets: model.offload_blocks={fast.blocks}, server.kv_cache_dtype="
+              f"{s.kv_cache_dtype!r}, max_batch_slots={s.max_batch_slots}, max_prefill_tokens="
+              f"{s.max_prefill_tokens}; a step costs its copies at any batch until compute "
+              "outlasts them: the budget buys KV room and rows, not resident blocks)")  # fmt: skip
         if not whole.fits:  # say what keeps every block on the GPU instead
             print(
                 f"every block on the GPU would need {whole.one_slot / GIB:.2f} GiB per GPU, "

@@ -1,67 +1,85 @@
 #!/usr/bin/env bash
-# Everything this project runs on the GPU machine, in one call (the device tool's $OUT collects
-# the results):  bash scripts/gpu_check.sh [serve|full|quick|smoke|kernels|tune]
+# Everything this project runs on the GPU machine, in one call per mode (the device tool's $OUT
+# collects the results as one results.tgz, refreshed after every stage, so a stage that hangs or
+# a call that runs out of time still leaves what the others measured):
+#   bash scripts/gpu_check.sh MODE [MODE ...]
 # Installs carried wheels (.whl: fastapi, uvicorn and their pydantic/starlette/opentelemetry,
-# bitsandbytes, py-spy) into /tmp/site, then:
-#   final   the served speed, every row of `mpinfer bench gpu` with the simulated tp-8 rank and
-#           the memory planner, then the GPU tests (what the README and docs/performance.md quote)
-#   serve   the GPU tests, the served speed (`mpinfer bench serve --gpu --profile`: a random
-#           bloom-7b1 checkpoint, the real server, streaming clients, the engine's step and the
-#           transformers baseline in one run) and the decode-step benchmark's int8 rows
-#   full    every row of `mpinfer bench gpu` on the bloom-7b1 shape, the simulated tp-8 rank and
-#           the memory planner against the GPU, then the GPU tests
-#   quick   mpinfer's int8 rows of the bloom-7b1 shape and the simulated tp-8 rank, then tests
-#   smoke   the bloom-560m shape; kernels: the matmul table; tune: re-tune this GPU's table
-# Every stage has a time limit, so one that hangs still leaves the others' results under $OUT.
+# the candidate kernel libraries; .whl-bnb: bitsandbytes) into /tmp/site, then per mode:
+#   tune      re-tune this GPU's kernel table for the tiled int8 buckets (128-1024 rows) and
+#             every int4 bucket, fp16 and bf16 (mpinfer bench kernels --tune)
+#   tune4     the same for int4 alone
+#   kernels   the matmul table at 1-576 rows, int8 and int4 beside cuBLAS fp16
+#   candidates  other libraries' kernels beside ours (bench kernels --candidates all)
+#   kernel-tests  the kernels' GPU tests; tests: every GPU test (tests/test_gpu.py)
+#   serve     the served speed (mpinfer bench serve --gpu)
+#   budget    the server's memory against its budget under load, the sustained mixes with their
+#             prefix-cache hit rates, offload through the server, int4 served (bench budget)
+#   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
+#             one GPU
+#   final     budget, int4, int4-176b, kernels, then the GPU tests
+# Every stage has a time limit (BUDGET seconds in all, default 570).
 set -uo pipefail
-mode=${1:-serve}
 OUT=${OUT:-bench/results}
-BUDGET=${BUDGET:-575}  # seconds for the whole call (the device tool allows 600)
-mkdir -p "$OUT"
+RES=/tmp/results
+BUDGET=${BUDGET:-570}
+mkdir -p "$OUT" "$RES"
 left() { echo $((BUDGET - SECONDS)); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+pack() { tar czf "$OUT/results.tgz" -C /tmp results 2>/dev/null; }
+wheels=$(ls .whl/*.whl .whl-bnb/*.whl 2>/dev/null)
+[ -n "$wheels" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site $wheels
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
-# (at most 8 files come back from $OUT: the machine's description goes to stdout only)
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
-tests() {  # the GPU tests (TESTS_K: a -k selection), within $1 seconds
-    timeout "$1" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
-        ${TESTS_K:+-k "$TESTS_K"} > "$OUT/gpu-tests.txt" 2>&1
-    echo "GPU tests: exit $? (124: timed out) at ${SECONDS}s"; tail -15 "$OUT/gpu-tests.txt"
+table=mpinfer/model/kernels/tuned/$(python3 -c "import torch; from mpinfer.model.kernels.tuning \
+    import slug; print(slug(torch.cuda.get_device_name()))").json
+stage() {  # stage NAME SECONDS CMD...: run CMD within SECONDS (or what is left), log to RES/NAME.log
+    local name=$1 t=$2; shift 2
+    [ "$t" -gt "$(left)" ] && t=$(left)
+    [ "$t" -lt 10 ] && { echo "$name: skipped (no time left)"; return; }
+    timeout "$t" bash -c '"$@"' _ "$@" > "$RES/$name.log" 2>&1
+    echo "== $name: exit $? (124: timed out) at ${SECONDS}s"; grep -v '^{' "$RES/$name.log" | tail -${TAIL:-12}
+    pack
 }
-bench() {  # bench gpu with the given arguments, within $1 seconds
-    local t=$1; shift
-    timeout "$t" python3 -m mpinfer.cli bench gpu "$@" > "$OUT/gpu.log" 2>&1
-    echo "bench gpu: exit $? at ${SECONDS}s"; grep -v '^{' "$OUT/gpu.log" | tail -25
-}
-case "$mode" in
-final)  # the served speed, every decode-step row and the planner, then the GPU tests
-    timeout 170 python3 -m mpinfer.cli bench serve --gpu --profile --out "$OUT/serve-gpu.json" \
-        > "$OUT/serve.log" 2>&1
-    echo "bench serve --gpu: exit $? at ${SECONDS}s"; tail -32 "$OUT/serve.log"
-    bench "$(($(left) - ${TESTS_TIME:-170}))" --shape bloom-7b1 --simulate-tp 8 --memory \
-        --out "$OUT/gpu-h200.json"
-    tests "$(left)" ;;
+bench() { python3 -m mpinfer.cli bench "$@"; }
+gpu_tests() { python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py "$@"; }
+export -f bench gpu_tests
+[ "${1:-}" = final ] && set -- budget int4 int4-176b kernels tests
+for mode in "$@"; do case "$mode" in
+tune)
+    rows=128,256,512,576
+    TAIL=4 stage tune-int8 170 bench kernels --tune "$table" --quant int8 --rows $rows \
+        --bf16-rows $rows --out "$RES/tune-int8.json"
+    rows=1,16,32,64,128,256,512,576
+    TAIL=4 stage tune-int4 230 bench kernels --tune "$table" --quant int4 --rows $rows \
+        --bf16-rows $rows --out "$RES/tune-int4.json"
+    cp "$table" "$RES/" ;;
+kernels)  # the matmul table, then the kernels' GPU tests
+    TAIL=60 stage kernels "${KERNEL_TIME:-90}" bench kernels --rows 1,16,64,128,256,576 \
+        --quant int8,int4 --models bloom-7b1,bloom-176b:8 --out "$RES/kernels.json" ;;
+candidates)  # other libraries' kernels beside ours, on two bloom-7b1 shapes
+    TAIL=30 stage candidates "${CAND_TIME:-150}" bench kernels --rows 1,64,256 \
+        --quant int8,int4 --candidates all --models bloom-7b1 --shapes "7b1 qkv,7b1 fc2" \
+        --out "$RES/candidates.json" ;;
+kernel-tests) TAIL=15 stage gpu-tests-kernels "$(left)" gpu_tests -k "linear or family" ;;
+tests) TAIL=15 stage gpu-tests "$(left)" gpu_tests ;;
 serve)
-    tests "${TESTS_TIME:-170}"
-    timeout "$(($(left) - ${QUICK_TIME:-110}))" python3 -m mpinfer.cli bench serve --gpu \
-        --profile --out "$OUT/serve-gpu.json" > "$OUT/serve.log" 2>&1
-    echo "bench serve --gpu: exit $? at ${SECONDS}s"; tail -40 "$OUT/serve.log"
-    bench "$(($(left) - 5))" --shape bloom-7b1 --rows mpinfer-int8 --out "$OUT/gpu-quick.json" ;;
-full) bench "$(($(left) - 200))" --shape bloom-7b1 --simulate-tp 8 --memory \
-          --out "$OUT/gpu-h200.json"; tests "$(left)" ;;
-quick) bench "$(($(left) - 200))" --shape bloom-7b1 --rows mpinfer-int8,mpinfer-int8-bf16 \
-           --simulate-tp 8 --out "$OUT/gpu-quick.json"; tests "$(left)" ;;
-smoke) bench "$(($(left) - 200))" --shape bloom-560m --out "$OUT/gpu-smoke.json"; tests "$(left)" ;;
-kernels) timeout "$(left)" python3 -m mpinfer.cli bench kernels --rows "${KERNEL_ROWS:-1,8,32}" \
-             --out "$OUT/kernels-h200.json" > "$OUT/kernels.log" 2>&1; tail -45 "$OUT/kernels.log" ;;
-tune) table=mpinfer/kernels/tuned/$(python3 -c "import torch; from mpinfer.kernels.tuning \
-          import slug; print(slug(torch.cuda.get_device_name()))").json
-      timeout "$(($(left) - 230))" python3 -m mpinfer.cli bench kernels --tune "$table" \
-          --rows 1,8,32,64 --bf16-rows 1,8,32,64 --out "$OUT/kernels-h200-tune.json" \
-          > "$OUT/tune.log" 2>&1
-      echo "tune: exit $? at ${SECONDS}s"; grep -v '^{' "$OUT/tune.log" | tail -90
-      cp "$table" "$OUT/"; tests "$(left)" ;;
-esac
+    TAIL=40 stage serve 300 bench serve --gpu --workdir /tmp/mb --out "$RES/serve-gpu.json" ;;
+budget)
+    TAIL=30 stage budget "${BUDGET_TIME:-330}" bench budget --workdir /tmp/mb \
+        --seconds "${SUSTAIN:-25}" --out "$RES/budget.json" ;;
+tune4)
+    rows=1,16,32,64,128,256,512,576
+    TAIL=4 stage tune-int4 120 bench kernels --tune "$table" --quant int4 --rows $rows \
+        --bf16-rows $rows --out "$RES/tune-int4.json"
+    cp "$table" "$RES/" ;;
+int4)
+    TAIL=25 stage int4-7b1 "${INT4_TIME:-100}" bench gpu --shape bloom-7b1 --quant int4 \
+        --out "$RES/int4-7b1.json" ;;
+int4-176b)
+    TAIL=25 stage int4-176b "${INT4_176B_TIME:-150}" bench gpu --shape bloom-176b \
+        --rows mpinfer-int4 --batches 1,8 --out "$RES/int4-176b.json" ;;
+*) echo "unknown mode $mode"; exit 2 ;;
+esac; done
+pack
 echo "done at ${SECONDS}s"

@@ -21,7 +21,7 @@ GROUPS = {
     "base": {"mpinfer", "mpinfer.config", "mpinfer.dist", "mpinfer.extras"},
     "kernels": {"mpinfer.model.kernels"},
     "model": {"mpinfer.model"},
-    "layout": {"mpinfer.model.sharding", "mpinfer.model.memory"},
+    "layout": {"mpinfer.model.sharding", "mpinfer.model.memory", "mpinfer.model.offloadplan"},
     "loading": {"mpinfer.checkpoint"},
     "engine": {"mpinfer.engine"},
     "runtime": {"mpinfer.startup"},

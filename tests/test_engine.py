@@ -142,7 +142,7 @@ def test_step_messages_survive_the_channel_encoding():
     buffer's stale tail from a longer earlier step ignored)."""
     import random
 
-    from mpinfer.engine.runner import STEP, Prefill, Step, decode_step_message, encode_step
+    from mpinfer.engine.step import STEP, Prefill, Step, decode_step_message, encode_step
 
     rng = random.Random(0)
     for _ in range(200):
@@ -183,7 +183,8 @@ def test_step_layout_puts_decode_rows_first_and_cuts_chunks_into_tiles():
     """The flat batch of a step: decode rows, then every chunk's tokens in order; the rows that
     sample in `execute`'s order; a bucket's buffer padded with rows of -1 and empty tiles, its
     views of the sizes the kernels' fixed grids expect; tiles cover every chunk token once."""
-    from mpinfer.engine.runner import STEP, Layout, Prefill, Step, StepInputs
+    from mpinfer.engine.runner import Layout, StepInputs
+    from mpinfer.engine.step import STEP, Prefill, Step
     from mpinfer.model.kernels.tuning import CHUNK_TILE
 
     rng = random.Random(5)

@@ -50,14 +50,14 @@ def test_plan_command_prints_gib_lines_and_fails_when_too_small(capsys):
     code = mpinfer_main(["plan", "--config", str(ROOT / "configs/bloom-176b-8x24gb.toml"),
                          "--tp", "4", "--set", "model.offload_blocks=0"])  # fmt: skip
     out = capsys.readouterr().out
-    # 42.48 GiB of weights and workspace + one 2048-token sequence of 0.957 MiB a token.
-    assert code == 1 and "does not fit: needs 44.40 GiB per GPU, has 24.00; try tp=8" in out
+    # 42.76 GiB of weights, workspace and margin + one 2048-token sequence of 0.957 MiB a token.
+    assert code == 1 and "does not fit: needs 44.67 GiB per GPU, has 23.99; try tp=8" in out
     # By default the planner puts blocks in host memory instead, and says what would not.
     code = mpinfer_main(["plan", "--config", str(ROOT / "configs/bloom-176b-8x24gb.toml"),
                          "--tp", "4", "--host-mem", "512GiB"])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0 and "blocks in host memory             38 of 70" in out
-    assert "every block on the GPU would need 44.40 GiB per GPU, has 24.00: try tp=8" in out
+    assert "every block on the GPU would need 44.67 GiB per GPU, has 23.99: try tp=8" in out
     code = mpinfer_main(["plan", "--config", str(ROOT / "configs/bloom-7b1.toml"),
                          "--gpu-mem", "12GiB", "--quant", "none",
                          "--set", "model.offload_blocks=0"])  # fmt: skip
@@ -79,12 +79,26 @@ def test_workspace_counts_the_sampler_and_the_step_graphs():
 
 
 def test_the_plan_counts_sequences_in_blocks_not_in_max_seq_len_slots():
-    """BLOOM-176B on 8 x 24 GiB: the static layout's 2 slots of 2,048 tokens become 6 requests
-    of 512 + 256 in blocks of 16; bloom-7b1 int8 on a 24 GiB card: 16 slots become >= 40."""
+    """BLOOM-176B int8 on 8 x 24 GB cards (24,564 MiB, everything the process holds counted):
+    the static layout's one slot of 2,048 tokens becomes 4 requests of 512 + 256 in blocks of
+    16 (9 with an int8 cache), int4 weights 30 (59); bloom-7b1 int8 on a 24 GiB card: 16 slots
+    become >= 40."""
     cfg = load_config(str(ROOT / "configs/bloom-176b-8x24gb.toml"))
-    plan = plan_memory(shape_of("bloom-176b"), cfg, tp_size=8, budget=24 * 2**30)
-    assert plan.slots == 2 and plan.kv_blocks == plan.kv_tokens // 16
-    assert plan.sequences(768) == min(plan.kv_blocks // 48, 16) >= 6
+    card = 24564 * 2**20
+    plan = plan_memory(shape_of("bloom-176b"), cfg, tp_size=8, budget=card)
+    assert plan.slots == 1 and plan.kv_blocks == plan.kv_tokens // 16
+    assert plan.sequences(768) == min(plan.kv_blocks // 48, 16) == 4
+    kv8 = load_config(str(ROOT / "configs/bloom-176b-8x24gb.toml"),
+                      ['server.kv_cache_dtype="int8"'])  # fmt: skip
+    assert plan_memory(shape_of("bloom-176b"), kv8, tp_size=8, budget=card).sequences(768) == 9
+    int4 = load_config(str(ROOT / "configs/bloom-176b-8x24gb-int4.toml"))
+    plan4 = plan_memory(shape_of("bloom-176b"), int4, tp_size=8, budget=card)
+    assert plan4.fixed + plan4.kv_blocks * 16 * plan4.kv_bytes_per_token <= card
+    assert plan4.sequences(768) == 30 >= 24
+    int4_kv8 = load_config(str(ROOT / "configs/bloom-176b-8x24gb-int4.toml"),
+                           ['server.kv_cache_dtype="int8"'])  # fmt: skip
+    assert plan_memory(shape_of("bloom-176b"), int4_kv8, tp_size=8,
+                       budget=card).sequences(768) == 59 >= 48  # fmt: skip
     assert plan.sequences(770) == plan.kv_blocks // 49  # a started block is a whole block
     cfg = load_config(str(ROOT / "configs/bloom-7b1.toml"),
                       ['quant.method="int8"', "server.max_batch_slots=64"])  # fmt: skip
@@ -104,8 +118,8 @@ def test_plan_answers_for_every_shipped_config_without_a_gpu_size(config, capsys
     out = capsys.readouterr().out
     assert code == 0, out
     if config == "bloom-176b-8x24gb":
-        assert "tp=8" in out and "sequences of max_seq_len=2048       2" in out
-        assert "sequences of 512+256               6" in out
+        assert "tp=8" in out and "sequences of max_seq_len=2048       1" in out
+        assert "sequences of 512+256               4" in out and "= 24,564 MiB" in out
         code = mpinfer_main(["plan", "--config", str(ROOT / f"configs/{config}.toml"),
                              "--set", 'model.memory_budget=""'])  # fmt: skip
         out = capsys.readouterr().out
@@ -150,30 +164,57 @@ def test_plan_into_a_closed_pipe_ends_quietly():
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
 
 
-def test_the_kv_cache_leaves_free_memory_for_what_start_up_allocates_after_it(monkeypatch):
-    """With the whole GPU as the budget, the cache is sized from the memory free after the
-    weights, less the runtime headroom (Triton's autotuner allocates a 256 MiB buffer at warm-up:
-    without the headroom, a GPU start-up ran out of memory there)."""
-    import types
+def test_the_kv_pool_is_what_the_process_does_not_hold_under_the_budget():
+    """fit_blocks: the pool replaces the provisional one (its bytes are in `used`), everything
+    stays under the budget and under what the GPU has free, with the margin to spare."""
+    from mpinfer.model.memory import fit_blocks
 
-    import torch
+    mib = 2**20
+    block = 7 * mib + 123  # not a divisor of anything below
+    kw = dict(margin=256 * mib, block_bytes=block, current=40)
+    blocks = fit_blocks(used=20_000 * mib, free=100_000 * mib, budget=24_576 * mib, **kw)
+    total = 20_000 * mib - 40 * block + blocks * block
+    assert total <= 24_576 * mib - 256 * mib < total + block
+    # the GPU has less free than the budget allows (another process on it): free decides
+    tight = fit_blocks(used=20_000 * mib, free=2_000 * mib, budget=24_576 * mib, **kw)
+    assert (tight - 40) * block <= 2_000 * mib - 256 * mib < (tight - 39) * block
+    assert fit_blocks(used=20_000 * mib, free=10**12, budget=10**12, cap=100, **kw) == 100
+    assert fit_blocks(used=30_000 * mib, free=10**12, budget=24_576 * mib, **kw) == 0
 
-    from mpinfer.dist import DistContext
-    from mpinfer.model import memory
+
+def test_over_the_budget_the_plan_is_for_throughput_not_resident_blocks():
+    """bloom-7b1 int8 at 6 GiB: every block in host memory (a step costs its copies at any
+    batch, so a resident block's memory is worth more as KV room), int8 KV, rows raised to
+    what the cache holds; a config that sets its rows keeps them; a model that fits, and a
+    config that names its offload_blocks, are left alone; the host's RAM bounds the blocks."""
+    from mpinfer.model.offloadplan import PLANNED_SEQUENCE, plan_for_throughput, plan_offload
 
     gib = 2**30
-    cfg = load_config(str(ROOT / "configs/bloom-7b1.toml"), ['model.memory_budget=""'])
-    shape = BloomShape.from_config(json.loads((ROOT / "configs/arch/bloom-7b1.json").read_text()))
-    free, total = 60 * gib, 80 * gib
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 8 * gib)
-    monkeypatch.setattr(memory, "budget_bytes", lambda cfg, device: total)
-    loaded = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"), shape=shape,
-                                   tp=types.SimpleNamespace(tp_size=1))  # fmt: skip
-    ctx = DistContext(0, 1, 0, "cpu", None, None)
-    _, blocks = memory.kv_cache_size(loaded, cfg, ctx)
-    plan = plan_memory(shape, cfg, tp_size=1, budget=total)
-    beside = sum(plan.items[k] for k in ("activation workspace", "sampler state", "step graphs"))
-    cache = blocks * 16 * plan.kv_bytes_per_token
-    left = free - beside - cache
-    assert memory.RUNTIME_HEADROOM <= left < memory.RUNTIME_HEADROOM + 16 * plan.kv_bytes_per_token
+    shape = shape_of("bloom-7b1")
+    cfg = load_config(None, ['model.memory_budget="6GiB"'])
+    kw = dict(tp_size=1, budget=6 * gib, host_bytes=100 * gib, host_gbps=55.0, gpu_tbps=4.3,
+              gpu_tflops=788.0)  # fmt: skip
+    least = len(plan_offload(shape, cfg, tp_size=1, budget=6 * gib).offloaded)
+    planned, fast = plan_for_throughput(shape, cfg, **kw)
+    assert least < 30 and fast.blocks == planned.model.offload_blocks == 30
+    assert planned.server.kv_cache_dtype == "int8"
+    assert planned.server.max_batch_slots == fast.rows == fast.kv_tokens // PLANNED_SEQUENCE
+    assert fast.rows > 32 and abs(fast.tok_s - fast.rows / fast.step_ms * 1e3) < 1e-6
+    mine = load_config(None, ['model.memory_budget="6GiB"', "server.max_batch_slots=8",
+                              'server.kv_cache_dtype="model"'])  # fmt: skip
+    kept, _ = plan_for_throughput(shape, mine, **kw)
+    assert kept.server.max_batch_slots == 8 and kept.server.kv_cache_dtype == "model"
+    few, fast = plan_for_throughput(shape, cfg, **{**kw, "host_bytes": 6 * gib})
+    assert least <= fast.blocks < 30  # what 6 GiB of host RAM can pin (5 GiB of 192 MiB blocks)
+    for unchanged in (
+        load_config(None, ['model.memory_budget="24GiB"']),
+        load_config(None, ['model.memory_budget="6GiB"', "model.offload_blocks=28"]),
+    ):
+        assert plan_for_throughput(shape, unchanged, **{**kw, "budget": parse(unchanged)}) == (
+            unchanged, None)  # fmt: skip
+
+
+def parse(cfg):
+    from mpinfer.config import parse_bytes
+
+    return parse_bytes(cfg.model.memory_budget, "budget")

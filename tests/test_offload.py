@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from mpinfer.config import load_config
-from mpinfer.model.memory import GIB, check_fits, plan_memory, plan_offload, spread
+from mpinfer.model.memory import GIB, plan_memory
+from mpinfer.model.offloadplan import check_fits, plan_offload, spread
 from mpinfer.tools.randmodel import SHAPES
 
 from .conftest import ENV, ROOT
@@ -107,7 +108,7 @@ def test_tp2_with_blocks_in_host_memory_equals_it_without(deep):
     """The real launcher, 2 ranks, each holding its own shard of the offloaded blocks, as many
     as `--gpu-mem` leaves no room for (the default model.offload_blocks = -1)."""
     from mpinfer.model.bloom import BloomShape
-    from mpinfer.model.memory import block_bytes
+    from mpinfer.model.offloadplan import block_bytes
 
     shape = BloomShape.from_config(json.loads((deep["hf"] / "config.json").read_text()))
     cfg = load_config(None, ['quant.method="int8"', "model.offload_depth=1"])
@@ -179,7 +180,7 @@ class _FakeGpu:
 def _fake_gpu_memory(monkeypatch):
     import torch
 
-    from mpinfer.model import memory
+    from mpinfer.model import memory, offloadplan
 
     real = memory.budget_bytes
 
@@ -187,6 +188,7 @@ def _fake_gpu_memory(monkeypatch):
         return device.total if isinstance(device, _FakeGpu) else real(cfg, device)
 
     monkeypatch.setattr(memory, "budget_bytes", budget)
+    monkeypatch.setattr(offloadplan, "budget_bytes", budget)
     yield torch
 
 
@@ -197,7 +199,7 @@ def test_the_offload_benchmark_checks_its_logits_on_a_cpu(monkeypatch):
     import argparse
     import dataclasses
 
-    from mpinfer.model.memory import block_bytes
+    from mpinfer.model.offloadplan import block_bytes
     from mpinfer.tools import offloadbench, randmodel
 
     shape = dataclasses.replace(SHAPES["tiny"], n_layer=LAYERS)
@@ -260,9 +262,12 @@ def test_plan_refuses_a_host_without_the_ram_to_pin_the_blocks(capsys):
 
     args = ["plan", "--config", str(ROOT / "configs/bloom-176b-8x24gb.toml"), "--tp", "1",
             "--gpu-mem", "139GiB"]  # fmt: skip
-    assert mpinfer_main(args + ["--host-mem", "40GiB"]) == 1
+    assert mpinfer_main(args + ["--host-mem", "39GiB"]) == 1
     err = capsys.readouterr().err
-    assert "not enough host memory to hold the offloaded blocks: needs 42.4 GiB" in err
+    # 17 blocks of 2.30 GiB, the least that lets one sequence fit the GPU, and 1 GiB to spare
+    assert "not enough host memory to hold the offloaded blocks: needs 40.1 GiB" in err
     assert mpinfer_main(args + ["--host-mem", "43GiB"]) == 0
     out = capsys.readouterr().out
-    assert "blocks in host memory             18 of 70" in out and "step at batch 32" in out
+    assert "blocks in host memory             17 of 70" in out and "step at batch 32" in out
+    # the throughput plan keeps the config's 16 rows (a KV cache of 16 x 256 is all they use)
+    assert "throughput plan                   17 blocks in host memory, 16 rows" in out

@@ -33,11 +33,12 @@ from collections.abc import Callable
 import torch
 
 from ..dist import DistContext
-from ..model.memory import decode_buckets
+from ..model.memory import PROMPT_LOGPROB_ROWS, decode_buckets
 from .request import EngineFailed, Event, InFlight, QueueFull, Request, Sequence, notify
-from .runner import IDLE, STOP, ModelRunner, Step
+from .runner import ModelRunner
 from .sampling import MAX_TOP_N, Row, Sampler, SamplingParams, prompt_token_logprobs
 from .scheduler import Scheduler
+from .step import FIT, IDLE, STOP, Step
 
 log = logging.getLogger("mpinfer")
 
@@ -175,9 +176,24 @@ class Engine(Scheduler):
             for i in range(n):
                 self.submit([pad] * 3, kinds[i % 2], lambda ev: None)
             self.run(until_idle=True, stop_ranks=False)
+        # The prompt log-probabilities' LM-head passes (eager, two runs of positions).
+        echo = SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logprobs=1)
+        long = min(self.max_seq - 1, PROMPT_LOGPROB_ROWS + 8, self.max_prefill_tokens)
+        self.submit([pad] * long, echo, lambda ev: None)
+        self.run(until_idle=True, stop_ranks=False)
         self.steps = self.generated_tokens = 0
         log.info("engine warm-up (sampler and step, up to %d rows) in %.1f s",
                  self.runner.slots, time.perf_counter() - t0)  # fmt: skip
+
+    def fit_cache(self) -> None:
+        """After warm_up, before serving: every rank sizes its KV pool from what its process
+        holds (runner.fit_cache: the budget is the whole footprint nvidia-smi shows), and the
+        scheduler takes the new pool's blocks."""
+        if self.runner.fit is None or self.runner.device.type != "cuda":
+            return
+        self.channel.send(Step(FIT))
+        self.runner.fit_cache()
+        self.reset_blocks(self.runner)
 
     def run(self, *, until_idle: bool = False, stop_ranks: bool = True) -> None:
         """Serve until stop() (or, with until_idle, until nothing is queued or running); then

@@ -21,9 +21,8 @@ pool: they never run at the same time. With a method that cannot be captured (bi
 `server.cuda_graphs = false` the same bucketed step runs eagerly; on a CPU the step runs eagerly
 over exactly its tokens, with the reference attention.
 
-Steps travel from rank 0 as one fixed-size int64 tensor over the gloo group (`StepChannel`):
-no pickling on the step's path. What is not here: what to run next (engine.py), sampling
-(sampling.py).
+Steps travel from rank 0 as one fixed-size int64 tensor over the gloo group (step.py). What is
+not here: what to run next (scheduler.py, engine.py), sampling (sampling.py).
 """
 
 from __future__ import annotations
@@ -36,88 +35,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..dist import DistContext
+from ..dist import DistContext, broadcast_object, gather_objects
 from ..model.attention import FlatBatch, KVCache
 from ..model.bloom import LoadedModel, to_device
+from ..model.gpumem import free_device_bytes, process_gpu_bytes
 from ..model.kernels.tuning import CHUNK_TILE
-from ..model.memory import PROMPT_LOGPROB_ROWS, decode_buckets
+from ..model.memory import PROMPT_LOGPROB_ROWS, decode_buckets, fit_blocks
+from .step import FIT, STEP, STOP, CacheFit, Prefill, Step, StepChannel
 
 log = logging.getLogger("mpinfer")
-
-STEP, IDLE, STOP = 1, 2, 3
-
-
-@dataclass(frozen=True)
-class Prefill:
-    slot: int
-    start: int  # cache position of the chunk's first token
-    tokens: tuple[int, ...]
-    sample: bool = False  # the prompt's last chunk: its last logits are sampled
-    logprobs: int = -1  # >= 0: every position's log-probabilities (and this many alternatives)
-    next_token: int = -1  # the prompt token after the chunk (its last position's target)
-
-
-@dataclass(frozen=True)
-class Step:
-    """One engine step, identical on every rank."""
-
-    kind: int = STEP
-    decode_slots: tuple[int, ...] = ()
-    decode_pos: tuple[int, ...] = ()
-    prefills: tuple[Prefill, ...] = ()
-    table: tuple[int, ...] = ()  # (row, index, block) triples for the block tables first
-
-
-def encode_step(step: Step) -> list[int]:
-    """A step as integers: [kind, n_decode, n_prefill, n_tokens, n_table, decode slots, decode
-    positions, per prefill (slot, start, length, sample, logprobs, next_token), tokens, table
-    triples]."""
-    tokens = [t for p in step.prefills for t in p.tokens]
-    fields = [f for p in step.prefills for f in (p.slot, p.start, len(p.tokens), int(p.sample),
-                                                 p.logprobs, p.next_token)]  # fmt: skip
-    return [step.kind, len(step.decode_slots), len(step.prefills), len(tokens), len(step.table),
-            *step.decode_slots, *step.decode_pos, *fields, *tokens, *step.table]  # fmt: skip
-
-
-def decode_step_message(data: list[int]) -> Step:
-    """`encode_step`'s inverse (trailing integers are ignored)."""
-    kind, n_dec, n_pf, n_tok, n_tab = data[:5]
-    body = data[5:]
-    slots, pos, body = body[:n_dec], body[n_dec : 2 * n_dec], body[2 * n_dec :]
-    fields, tokens = body[: 6 * n_pf], body[6 * n_pf : 6 * n_pf + n_tok]
-    prefills, at = [], 0
-    for i in range(n_pf):
-        slot, start, length, sample, logprobs, next_token = fields[6 * i : 6 * i + 6]
-        prefills.append(Prefill(slot, start, tuple(tokens[at : at + length]), bool(sample),
-                                logprobs, next_token))  # fmt: skip
-        at += length
-    table = body[6 * n_pf + n_tok : 6 * n_pf + n_tok + n_tab]
-    return Step(kind, tuple(slots), tuple(pos), tuple(prefills), tuple(table))
-
-
-class StepChannel:
-    """Steps from rank 0 to the other ranks, as `encode_step`'s integers in one fixed-size int64
-    tensor (gloo, CPU): one broadcast a step."""
-
-    def __init__(self, ctx: DistContext, *, slots: int, max_prefill_tokens: int,
-                 max_updates: int):  # fmt: skip
-        self.ctx = ctx
-        # Decode rows and prefills are at most one per slot; tokens at most max_prefill_tokens;
-        # table entries at most max_updates (blocks.BlockManager).
-        self.buf = torch.zeros(5 + 8 * slots + max_prefill_tokens + 3 * max_updates,
-                               dtype=torch.long)  # fmt: skip
-
-    def send(self, step: Step) -> None:
-        if self.ctx.world_size == 1:
-            return
-        data = encode_step(step)
-        self.buf[: len(data)] = torch.tensor(data, dtype=torch.long)
-        dist.broadcast(self.buf, src=0, group=self.ctx.weights_group)
-
-    def receive(self) -> Step:
-        dist.broadcast(self.buf, src=0, group=self.ctx.weights_group)
-        return decode_step_message(self.buf.tolist())
-
 
 def step_buckets(slots: int, max_prefill_tokens: int) -> list[int]:
     """Token counts with a captured step graph: the decode buckets (powers of two up to the
@@ -220,10 +146,13 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, ctx: DistContext, *, slots: int, max_seq: int,
                  max_prefill_tokens: int = 512, cuda_graphs: bool = True, block_size: int = 16,
-                 num_blocks: int | None = None, kv_int8: bool = False):  # fmt: skip
+                 num_blocks: int | None = None, kv_int8: bool = False,
+                 fit: CacheFit | None = None):  # fmt: skip
         """`slots` cache rows (sequences at once) over `num_blocks` blocks of `block_size`
         tokens (default: every row can reach max_seq at once, the static layout's memory);
-        `kv_int8`: keys and values in int8 with a scale per token and head."""
+        `kv_int8`: keys and values in int8 with a scale per token and head; `fit`: how
+        `fit_cache` sizes the pool after warm-up (None: keep num_blocks)."""
+        self.fit, self.kv_int8 = fit, kv_int8
         self.loaded, self.ctx = loaded, ctx
         self.model, self.device = loaded.model, loaded.device
         self.slots, self.max_seq = slots, max_seq
@@ -233,10 +162,7 @@ class ModelRunner:
         self.num_blocks = num_blocks or slots * self.blocks_per_row
         self.channel = StepChannel(ctx, slots=slots, max_prefill_tokens=max_prefill_tokens,
                                    max_updates=self.blocks_per_row + slots)  # fmt: skip
-        self.cache = KVCache.allocate(loaded.shape, loaded.tp.tp_size, slots=slots,
-                                      max_seq=max_seq, dtype=loaded.dtype, device=self.device,
-                                      block_size=self.block_size, num_blocks=self.num_blocks,
-                                      quantized=kv_int8)  # fmt: skip
+        self.cache = self._allocate_cache()
         # Each slot's next decode input: the token its request sampled last.
         self.next_tokens = torch.zeros(slots, dtype=torch.long, device=self.device)
         methods = [getattr(m, "method", None) for m in self.model.modules()]
@@ -258,9 +184,59 @@ class ModelRunner:
         self.hidden = torch.empty((most, h), dtype=loaded.dtype, device=self.device)
         self.logits = torch.empty((min(slots, most), v), dtype=loaded.dtype, device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.fitted_bytes = 0  # the process's GPU memory after fit_cache
         self.capture_seconds, self.capture_bytes, self.warm_up_seconds = 0.0, 0, 0.0
         if is_gpu:
             self._warm_up()
+        if self.use_graphs:
+            self._capture()
+
+    def _allocate_cache(self) -> KVCache:
+        return KVCache.allocate(self.loaded.shape, self.loaded.tp.tp_size, slots=self.slots,
+                                max_seq=self.max_seq, dtype=self.loaded.dtype, device=self.device,
+                                block_size=self.block_size, num_blocks=self.num_blocks,
+                                quantized=self.kv_int8)  # fmt: skip
+
+    def fit_cache(self) -> None:
+        """Every rank, at one point of start-up (a collective): size the KV pool from what the
+        process holds now (warmed up, graphs captured, the engine's sampler made), the pool
+        everything under `fit.budget` less `fit.margin`, every rank the smallest pool any rank
+        can hold; then reallocate it and capture the graphs again. No-op without `fit`."""
+        if self.fit is None or self.device.type != "cuda":
+            return
+        used, how = process_gpu_bytes(self.device)
+        blocks = fit_blocks(used=used, free=free_device_bytes(self.device),
+                            budget=self.fit.budget, margin=self.fit.margin,
+                            block_bytes=self.cache.bytes_per_block, current=self.num_blocks,
+                            cap=self.fit.cap)  # fmt: skip
+        blocks = broadcast_object(min(gather_objects(blocks, self.ctx)) if self.ctx.is_rank0
+                                  else None, self.ctx)  # fmt: skip
+        if blocks * self.block_size < self.max_seq:
+            raise ValueError(
+                f"no room for a KV cache of one max_seq_len={self.max_seq} sequence under the "
+                f"budget of {self.fit.budget / 2**20:,.0f} MiB: the process holds "
+                f"{used / 2**20:,.0f} MiB before its cache ({how}); lower server.max_seq_len, "
+                "raise model.memory_budget or tp, or lower model.memory_margin"
+            )
+        self.resize_cache(blocks)
+        after, how = process_gpu_bytes(self.device)
+        if self.ctx.is_rank0:
+            log.info("KV cache: %d blocks of %d tokens (%d tokens), up to %d sequences at once; "
+                     "the process holds %.0f MiB of its %.0f MiB budget (%s, graphs and "
+                     "workspaces included; margin %.0f MiB)", blocks, self.block_size,
+                     blocks * self.block_size, min(self.slots, blocks), after / 2**20,
+                     self.fit.budget / 2**20, how, self.fit.margin / 2**20)  # fmt: skip
+        self.fitted_bytes = after
+
+    def resize_cache(self, num_blocks: int) -> None:
+        """A new pool of `num_blocks` blocks (nothing may be running: the old one is gone), and
+        the step graphs captured again around it."""
+        self.graphs.clear()
+        torch.cuda.synchronize(self.device)
+        self.cache = None
+        torch.cuda.empty_cache()
+        self.num_blocks = num_blocks
+        self.cache = self._allocate_cache()
         if self.use_graphs:
             self._capture()
 
@@ -391,3 +367,5 @@ def run_worker(runner: ModelRunner) -> None:
         if step.kind == STEP:
             runner.execute(step)
             runner.share_next_tokens()
+        elif step.kind == FIT:
+            runner.fit_cache()

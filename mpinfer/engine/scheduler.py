@@ -24,7 +24,8 @@ import time
 
 from .blocks import BlockManager
 from .request import Event, Request, Result, Sequence, notify
-from .runner import STEP, ModelRunner, Prefill, Step
+from .runner import ModelRunner
+from .step import STEP, Prefill, Step
 
 log = logging.getLogger("mpinfer")
 
@@ -32,13 +33,18 @@ log = logging.getLogger("mpinfer")
 class Scheduler:
     def __init__(self, runner: ModelRunner, *, prefix_caching: bool = True):
         self.free = list(range(runner.slots))
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size,
-                                   blocks_per_row=runner.blocks_per_row,
-                                   prefix_caching=prefix_caching)  # fmt: skip
+        self.prefix_caching = prefix_caching
+        self.reset_blocks(runner)
         self.running: dict[int, Sequence] = {}
         self.preempted: list[Sequence] = []  # out of the cache, to be admitted again first
         self.pending: collections.deque[Request] = collections.deque()
         self.cond = threading.Condition()
+
+    def reset_blocks(self, runner: ModelRunner) -> None:
+        """The block bookkeeping of the runner's KV pool, empty (nothing may be running)."""
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size,
+                                   blocks_per_row=runner.blocks_per_row,
+                                   prefix_caching=self.prefix_caching)  # fmt: skip
 
     def _admit(self) -> None:
         """Preempted sequences first (oldest first), then queued jobs, into free rows while the

@@ -75,6 +75,15 @@ class KVCache:
     def num_blocks(self) -> int:
         return self.k[0].shape[0]
 
+    @property
+    def bytes_per_block(self) -> int:
+        """Device bytes one block takes over all layers (keys, values and an int8 cache's
+        scales)."""
+        per = [t[0].numel() * t.element_size() for t in (self.k[0], self.v[0])]
+        if self.k_scale is not None:
+            per += [t[0].numel() * t.element_size() for t in (self.k_scale[0], self.v_scale[0])]
+        return sum(per) * len(self.k)
+
     def apply_updates(self, updates: tuple[int, ...]) -> None:
         """(row, index, block) triples into the block tables, in stream order."""
         t = torch.tensor(updates, dtype=torch.long).view(-1, 3)

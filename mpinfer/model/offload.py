@@ -17,7 +17,7 @@ read-only). On a CPU the copies are plain host-to-host copies, with the same sch
 bookkeeping, so the CPU tests run this code. With `depth` at least the number of offloaded blocks
 the ring holds them all after the first step and copies nothing more.
 
-What is not here: which blocks and how deep (memory.plan_offload), putting the loaded slices in
+What is not here: which blocks and how deep (offloadplan.plan_offload), putting the loaded slices in
 the arena (checkpoint/loader.py).
 """
 

@@ -2,10 +2,12 @@
 
     run_rank(work, cfg)   init the process groups, watch the launcher, run work(ctx), tear down;
                           a user error (ValueError) ends every rank with exit 1 and its message
-    prepare(cfg, ctx)     load the model, size and allocate the KV cache, capture the decode
-                          graphs (collectives, on every rank at this same point)
-    start(cfg, ctx)       prepare; then rank 0 gets the Engine, every other rank runs the
-                          worker loop until rank 0 stops
+    prepare(cfg, ctx)     load the model, allocate a first KV pool, warm up and capture the
+                          step graphs (collectives, on every rank at this same point)
+    start(cfg, ctx)       prepare; rank 0 gets the Engine and warms it up, then every rank
+                          sizes the KV pool from what its process holds under the budget
+                          (runner.fit_cache); the other ranks run the worker loop until rank 0
+                          stops
     load_tokenizer, default_params   the tokenizer file; the config's [generation] defaults,
                           the one place every face takes them from
 
@@ -32,7 +34,8 @@ from ..dist import DistContext, init_distributed, raise_everywhere, teardown
 from ..engine.engine import Engine
 from ..engine.runner import ModelRunner, run_worker
 from ..engine.sampling import SamplingParams
-from ..model.memory import kv_cache_size
+from ..engine.step import CacheFit
+from ..model.memory import budget_bytes, cpu_blocks, memory_margin, provisional_blocks
 
 log = logging.getLogger("mpinfer")
 
@@ -104,14 +107,25 @@ def prepare(cfg: RunConfig, ctx: DistContext, *, slots: int | None = None,
             error = str(e)
     raise_everywhere(error, ctx)  # before any weight moves
     loaded = load_model(cfg, ctx)
+    cfg = loaded.cfg or cfg  # a model over its budget: the throughput plan's rows and KV
     s = cfg.server
     if max_seq:
         cfg = dataclasses.replace(cfg, server=dataclasses.replace(s, max_seq_len=max_seq))
-    slots, blocks = kv_cache_size(loaded, cfg, ctx, rows=slots)
-    return ModelRunner(loaded, ctx, slots=slots, max_seq=cfg.server.max_seq_len,
+        s = cfg.server
+    slots = slots or s.max_batch_slots
+    gpu = loaded.device.type == "cuda"
+    blocks = provisional_blocks(cfg, slots) if gpu else cpu_blocks(cfg, slots)
+    bs = min(s.kv_block_size, s.max_seq_len)
+    if blocks * bs < s.max_seq_len:
+        raise ValueError(f"no room for a KV cache of one max_seq_len={s.max_seq_len} sequence "
+                         f"({blocks} blocks of {bs} tokens): raise server.kv_cache_tokens or "
+                         "lower server.max_seq_len")  # fmt: skip
+    fit = CacheFit(budget_bytes(cfg, loaded.device) or 0, memory_margin(cfg),
+                   s.kv_cache_tokens // bs) if gpu else None  # fmt: skip
+    return ModelRunner(loaded, ctx, slots=min(slots, blocks), max_seq=s.max_seq_len,
                        max_prefill_tokens=s.max_prefill_tokens, cuda_graphs=s.cuda_graphs,
                        block_size=s.kv_block_size, num_blocks=blocks,
-                       kv_int8=s.kv_cache_dtype == "int8")  # fmt: skip
+                       kv_int8=s.kv_cache_dtype == "int8", fit=fit)  # fmt: skip
 
 
 def start(
@@ -125,13 +139,14 @@ def start(
     """Every rank: `prepare` (unless given its runner). Rank 0 returns its Engine (not yet
     running); the other ranks serve rank 0's steps here and return None when it stops."""
     runner = runner or prepare(cfg, ctx, slots=slots, max_seq=max_seq)
-    s = cfg.server
+    s = (runner.loaded.cfg or cfg).server
     if ctx.is_rank0:
         engine = Engine(runner, ctx, load_tokenizer(runner.loaded.model_dir),
                         max_queue=s.max_queue, max_prefill_tokens=s.max_prefill_tokens,
                         prefill_hold_steps=s.prefill_hold_steps,
                         prefix_caching=s.prefix_caching)  # fmt: skip
         engine.warm_up()
+        engine.fit_cache()
         return engine
     run_worker(runner)
     return None

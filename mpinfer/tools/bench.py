@@ -9,6 +9,8 @@ under bench/results/, side by side with its baselines in one run.
               (servegpu.py)
     kv        the KV cache's layouts (static, blocks, prefix cache, int8) served under one
               budget (kvbench.py)
+    budget    the server's GPU memory against its budget (24/12 GiB, offload at 6 GiB, int4)
+              under sustained traffic, with prefix-cache hit rates (budgetbench.py)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ WHAT = {
     "engine": "mpinfer.tools.servebench",
     "serve": "mpinfer.tools.servebench",
     "kv": "mpinfer.tools.kvbench",
+    "budget": "mpinfer.tools.budgetbench",
 }
 
 

@@ -12,10 +12,13 @@ produces exactly what it asked for). Two ways to drive it:
                   pace (the load of many independent users), one phase per rate
 
 Each phase reports output tokens/s, time to first token p50/p99, inter-token gap p50/p99, the
-prompt tokens per output token of what actually ran, and GPU utilization and memory (NVML,
-sampled every 100 ms) when nvidia-ml-py is installed. `ideal_tok_s` is what that mix allows on
-this engine: 1 / (prompt tokens per output token / prefill tokens/s + batch-32 step / 32), prefill
-work counted once at full prefill speed, decode at the batch-32 graph step.
+prompt tokens per output token of what actually ran, the prefix cache's hit rate over the phase
+(the server's own counters: prompt tokens found in the cache over those looked up; the mix's
+unique openings keep it near 0, `system` gives every prompt one shared opening), and GPU
+utilization and memory (NVML, sampled every 100 ms) when nvidia-ml-py is installed.
+`ideal_tok_s` is what that mix allows on this engine: 1 / (prompt tokens per output token /
+prefill tokens/s + batch-32 step / 32), prefill work counted once at full prefill speed, decode
+at the batch-32 graph step.
 """
 
 from __future__ import annotations
@@ -27,21 +30,46 @@ import statistics
 import threading
 import time
 
+import httpx
+
 WORDS = "the river runs past the old stone bridge tonight".split()
 REPEATS = (1, 4, 16, 64)
 OUTPUT_RANGE = (32, 256)
 
 
-def mixed_requests(n: int, seed: int = 0) -> list[tuple[str, int]]:
+def mixed_requests(n: int, seed: int = 0, *, system: str = "", repeats=REPEATS,
+                   outputs=OUTPUT_RANGE) -> list[tuple[str, int]]:  # fmt: skip
     """n (prompt, max_new_tokens) pairs of the mix; request i differs from the others in its
-    first word, so no two prompts are the same."""
+    first word after `system` (a shared opening, "" for none), so no two prompts are the same."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        k = rng.choice(REPEATS)
-        text = f"request {i}: " + " ".join(WORDS * k)
-        out.append((text, rng.randint(*OUTPUT_RANGE)))
+        k = rng.choice(repeats)
+        text = system + f"request {i}: " + " ".join(WORDS * k)
+        out.append((text, rng.randint(*outputs)))
     return out
+
+
+def system_prompt(words: int = 1000, seed: int = 7) -> str:
+    """A long shared opening (a chat's system prompt): `words` words, the same every run."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) + str(rng.randrange(100)) for _ in range(words)) + "\n"
+
+
+def prefix_counters(url: str) -> tuple[float, float]:
+    """(prompt tokens looked up in the prefix cache, found there) so far, from /metrics."""
+    got = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("mpinfer_prefix_cache_") and "{" not in line:
+            name, value = line.split()
+            got[name] = float(value)
+    return (got.get("mpinfer_prefix_cache_queried_tokens_total", 0.0),
+            got.get("mpinfer_prefix_cache_hit_tokens_total", 0.0))  # fmt: skip
+
+
+def hit_rate(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    queried = after[0] - before[0]
+    return (after[1] - before[1]) / queried if queried else None
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -136,19 +164,25 @@ def summarize(results: list[dict], wall: float) -> dict:
     }
 
 
-async def closed_loop(url: str, clients: int, seconds: float, seed: int = 0) -> dict:
-    """`clients` clients each sending the mix's next request as soon as its last one ended;
-    requests still running at the end are waited for, and counted (the wall time covers them)."""
+async def closed_loop(url: str, clients: int, seconds: float, seed: int = 0, *,
+                      work: list[tuple[str, int]] | None = None) -> dict:  # fmt: skip
+    """`clients` clients each sending the mix's next request (or `work`'s) as soon as its last
+    one ended; requests still running at the end are waited for, and counted (the wall time
+    covers them)."""
     import aiohttp
 
-    work = mixed_requests(100_000, seed)
+    work = work or mixed_requests(100_000, seed)
+    counters = prefix_counters(url)
     cursor = iter(range(len(work)))
     results: list[dict] = []
     stop_at = time.perf_counter() + seconds
 
     async def client(session):
         while time.perf_counter() < stop_at:
-            prompt, max_new = work[next(cursor)]
+            i = next(cursor, None)
+            if i is None:  # the work list ran out before the time did
+                return
+            prompt, max_new = work[i]
             results.append(await one_request(session, url, prompt, max_new))
 
     timeout = aiohttp.ClientTimeout(total=900)
@@ -157,8 +191,13 @@ async def closed_loop(url: str, clients: int, seconds: float, seed: int = 0) -> 
             t0 = time.perf_counter()
             await asyncio.gather(*[client(session) for _ in range(clients)])
             wall = time.perf_counter() - t0
-    return {"mode": "closed", "clients": clients, **summarize(results, wall),
-            **gpu.summary()}  # fmt: skip
+    return {
+        "mode": "closed",
+        "clients": clients,
+        **summarize(results, wall),
+        "prefix_hit_rate": hit_rate(counters, prefix_counters(url)),
+        **gpu.summary(),
+    }
 
 
 async def open_loop(url: str, rate: float, seconds: float, seed: int = 0) -> dict:
@@ -167,6 +206,7 @@ async def open_loop(url: str, rate: float, seconds: float, seed: int = 0) -> dic
 
     rng = random.Random(seed + 1)
     work = mixed_requests(100_000, seed)
+    counters = prefix_counters(url)
     tasks = []
     timeout = aiohttp.ClientTimeout(total=900)
     with GpuSampler() as gpu:
@@ -180,8 +220,13 @@ async def open_loop(url: str, rate: float, seconds: float, seed: int = 0) -> dic
                 await asyncio.sleep(rng.expovariate(rate))
             results = await asyncio.gather(*tasks)
             wall = time.perf_counter() - t0
-    return {"mode": "poisson", "rate": rate, **summarize(list(results), wall),
-            **gpu.summary()}  # fmt: skip
+    return {
+        "mode": "poisson",
+        "rate": rate,
+        **summarize(list(results), wall),
+        "prefix_hit_rate": hit_rate(counters, prefix_counters(url)),
+        **gpu.summary(),
+    }
 
 
 def ideal_tok_s(prompt_per_output: float, prefill_tok_s: float, step_ms_b32: float) -> float:
@@ -193,10 +238,12 @@ def phase_row(name: str, p: dict, ideal: float | None) -> list:
         return "-" if v is None else format(v, fmt)
 
     return [name, f"{p['tok_per_s']:.0f}", f(ideal and p["tok_per_s"] / ideal, ".2f"),
+            f(p.get("prefix_hit_rate"), ".2f"),
             f(p["ttft_ms_p50"], ".0f"), f(p["ttft_ms_p99"], ".0f"), f(p["itl_ms_p50"], ".1f"),
             f(p["itl_ms_p99"], ".1f"), f"{p['prompt_per_output']:.2f}",
             f(p["gpu_util_pct"], ".0f"), f(p["gpu_mem_gib"], ".1f"), p["errors"]]  # fmt: skip
 
 
-PHASE_HEADER = ["load", "output tok/s", "/ ideal", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-                "ITL p99 ms", "prompt/output", "GPU util %", "GPU GiB", "errors"]  # fmt: skip
+PHASE_HEADER = ["load", "output tok/s", "/ ideal", "prefix hit rate", "TTFT p50 ms",
+                "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "prompt/output", "GPU util %",
+                "GPU GiB", "errors"]  # fmt: skip

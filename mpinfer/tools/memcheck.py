@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from ..config import load_config
-from ..engine.runner import Prefill, Step
 from ..engine.sampling import Row, Sampler, SamplingParams
+from ..engine.step import Prefill, Step
 from ..model.memory import GIB, budget_bytes, plan_memory
 from .randmodel import SHAPES, build_random, decode_step, free_gpu, make_runner
 from .report import md_table

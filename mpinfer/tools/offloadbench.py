@@ -13,7 +13,7 @@ ones in the page-locked host arena, the same random values either way), in this 
   and runs it (no side stream, no ring, no events), and, where the model fits the GPU, against
   the same weights all resident; and the step without offload, graphed and eager;
 - transformers + accelerate (fp16, `dispatch_model` with the same GPU budget), where it fits.
-What is not here: the planner itself (model/memory.py), the served speed (servegpu.py).
+What is not here: the planner itself (model/offloadplan.py), the served speed (servegpu.py).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import torch
 
 from ..checkpoint.loader import assign_tensor, build_meta_model, finish_model
 from ..config import load_config, parse_bytes
-from ..engine.runner import Prefill, Step
+from ..engine.step import Prefill, Step
 from ..extras import require
 from ..model.attention import KVCache
 from ..model.layers import TPGroup
-from ..model.memory import plan_offload
 from ..model.offload import HostArena, Offload
+from ..model.offloadplan import plan_offload
 from .randmodel import SHAPES, decode_step, free_gpu, make_runner, randomize_model
 from .report import cuda_time, machine, md_table, measure_ceilings
 
@@ -240,7 +240,7 @@ def run_offload(a) -> dict:
     result["copy"] = copy_speed(o.host[o.order[0]], GIB if ON_GPU else 2**24)
     gbps = result["copy"]["one_copy_GBps"]
     result["floor_ms"] = off.copy_ms(gbps)
-    if ON_GPU:  # the planner's estimate (memory.OffloadPlan) with this machine's figures
+    if ON_GPU:  # the planner's estimate (offloadplan.OffloadPlan) with this machine's figures
         ceil = measure_ceilings()
         tbps, tflops = ceil["copy_bandwidth_GBps"] / 1e3, ceil["bf16_matmul_TFLOPs"]
         result["ceilings"] = ceil

@@ -24,8 +24,9 @@ import torch
 from ..checkpoint.loader import load_model
 from ..config import load_config
 from ..dist import init_distributed, teardown
-from ..engine.runner import ModelRunner, Prefill, Step
+from ..engine.runner import ModelRunner
 from ..engine.sampling import Row, Sampler, SamplingParams
+from ..engine.step import Prefill, Step
 from ..extras import require
 from ..startup.runtime import load_tokenizer
 from . import loadgen
