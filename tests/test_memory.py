@@ -81,7 +81,7 @@ def test_workspace_counts_the_sampler_and_the_step_graphs():
 def test_the_plan_counts_sequences_in_blocks_not_in_max_seq_len_slots():
     """BLOOM-176B int8 on 8 x 24 GB cards (24,564 MiB, everything the process holds counted):
     the static layout's one slot of 2,048 tokens becomes 4 requests of 512 + 256 in blocks of
-    16 (9 with an int8 cache), int4 weights 30 (59); bloom-7b1 int8 on a 24 GiB card: 16 slots
+    16 (9 with an int8 cache), int4 weights 30 (59); bloom-7b1 int8 on a 24 GiB card: 15 slots
     become >= 40."""
     cfg = load_config(str(ROOT / "configs/bloom-176b-8x24gb.toml"))
     card = 24564 * 2**20
@@ -103,11 +103,11 @@ def test_the_plan_counts_sequences_in_blocks_not_in_max_seq_len_slots():
     cfg = load_config(str(ROOT / "configs/bloom-7b1.toml"),
                       ['quant.method="int8"', "server.max_batch_slots=64"])  # fmt: skip
     plan = plan_memory(shape_of("bloom-7b1"), cfg, tp_size=1, budget=24 * 2**30)
-    assert plan.slots == 16 and plan.sequences(768) >= 40
+    assert plan.slots == 15 and plan.sequences(768) >= 40
     static = load_config(str(ROOT / "configs/bloom-7b1.toml"),
                          ['quant.method="int8"', "server.kv_block_size=2048"])  # fmt: skip
     assert plan_memory(shape_of("bloom-7b1"), static, tp_size=1,
-                       budget=24 * 2**30).sequences(768) == 16  # fmt: skip
+                       budget=24 * 2**30).sequences(768) == 15  # fmt: skip
 
 
 @pytest.mark.parametrize("config", ["tiny-cpu", "bloom-560m", "bloom-7b1", "bloom-176b-8x24gb"])

@@ -25,6 +25,7 @@ import torch
 from ..config import RunConfig, parse_bytes
 from .attention import KVCache
 from .bloom import BloomShape
+from .kernels import DEQUANT_ROWS
 from .kernels.tuning import WORKSPACE_BYTES
 from .sharding import rank_entries, specs_for
 
@@ -135,7 +136,8 @@ HOW = {
     "biases": "counted", "sampler state": "counted: a bool and an int32 per slot and token",
     "CUDA context": "estimated; at start-up the KV pool is sized from what the process holds",
     "NCCL": "estimated (tp > 1); measured at start-up likewise",
-    "activation workspace": "estimated: split-K partials, prefill activations, logits",
+    "activation workspace": "estimated: split-K partials, a dequantized weight, activations, "
+                            "logits",
     "step graphs": "estimated; measured at start-up",
     "safety margin": "model.memory_margin: fragmentation and what warm-up does not reach",
     "blocks in host memory": "counted", "offload ring": "counted",
@@ -157,6 +159,7 @@ def plan_memory(shape: BloomShape, cfg: RunConfig, *, tp_size: int, budget: int)
     wkey = "weights (int4)" if cfg.quant.method == "int4" else "weights (int8)"
     items = {wkey: 0, "scales": 0, "embeddings and LM head": 0, "biases and norms": 0}
     dense_key = f"weights ({cfg.model.dtype})"
+    largest = 0
     for spec in specs_for(shape, tp_size, cfg.quant):
         rank_shape = spec.rank_shape(tp_size)
         n, rows = math.prod(rank_shape), rank_shape[0]
@@ -167,6 +170,7 @@ def plan_memory(shape: BloomShape, cfg: RunConfig, *, tp_size: int, budget: int)
             _, *rest = rank_entries(spec, tp_size, torch.float16)
             items[wkey] += n // 2 if spec.quant == "int4" else n
             items["scales"] += sum(math.prod(shp) * dt.itemsize for _, shp, dt in rest)
+            largest = max(largest, n)
         elif len(spec.shape) == 2:  # quant = none: the block weights in the compute dtype
             items[dense_key] = items.get(dense_key, 0) + n * dtype_bytes
         else:
@@ -177,8 +181,11 @@ def plan_memory(shape: BloomShape, cfg: RunConfig, *, tp_size: int, budget: int)
     s = cfg.server
     slots = s.max_batch_slots
     logit_rows = max(slots, PROMPT_LOGPROB_ROWS)
+    # A step of more than DEQUANT_ROWS tokens dequantizes one weight at a time (kernels/).
+    dequantized = largest * dtype_bytes if slots + s.max_prefill_tokens > DEQUANT_ROWS else 0
     workspace = (
-        WORKSPACE_BYTES  # the matmul kernels' split-K partials (no weight is dequantized)
+        WORKSPACE_BYTES  # the in-register kernels' split-K partials
+        + dequantized
         + s.max_prefill_tokens * 8 * h // tp_size * dtype_bytes * 2  # prefill activations
         + s.max_prefill_tokens * h * dtype_bytes  # a prefill chunk's final hidden states
         + logit_rows * v * (dtype_bytes + 4 * 3)  # gathered logits, their fp32 copy, two temps

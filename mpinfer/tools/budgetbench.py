@@ -117,8 +117,10 @@ def serve(ckpt: Path, budget: str, phases, *settings: str) -> dict:
                                    ln)][-12:]  # fmt: skip
     limit = parse_mib(budget)
     row["peak_over_budget_MiB"] = (row["memory"]["peak_MiB"] or 0) - limit
-    print(json.dumps({k: v for k, v in row.items() if k not in ("phases",)}, default=str),
-          flush=True)  # fmt: skip
+    short = {k: v for k, v in row.items() if k not in ("phases", "greedy")}
+    short["phases"] = {name: {k: v for k, v in p.items() if k != "first_error"}
+                       for name, p in row.get("phases", {}).items()}  # fmt: skip
+    print(json.dumps(short, default=str), flush=True)
     return row
 
 

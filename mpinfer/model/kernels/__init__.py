@@ -2,11 +2,18 @@
 so it imports on a CPU machine. Each kernel has a pure-torch reference in quant.py or model.py.
 
 `int8_linear(x, q, scale, bias)` is the W8A16 matmul `(x @ q^T) * scale + bias` and
-`int4_linear(x, packed, scale, offset, bias)` the group-wise W4A16 one: for every row count a
-step has (one decode row to a prefill chunk beside 64 decode rows, or a tool's long prompt), one
-Triton kernel each that reads the quantized weight once and converts it in registers; no path
-writes a dequantized copy of a weight to memory. Configured per row bucket by the GPU's tuned
-table or the default rule (tuning.py); see w8a16.py, w4a16.py and launch.py.
+`int4_linear(x, packed, scale, offset, bias)` the group-wise W4A16 one:
+- up to DEQUANT_ROWS rows (decode, and a mixed step of up to 256 tokens): one Triton kernel
+  each that reads the quantized weight once and converts it in registers (w8a16.py, w4a16.py,
+  launch.py), configured per row bucket by the GPU's tuned table or the default rule
+  (tuning.py);
+- more rows (a step near its prompt budget, a long prefill): the weight is dequantized into a
+  compute-dtype temporary for this one matmul (dequant.py: 1 byte read and 2 written per
+  weight) and cuBLAS multiplies. Measured on the H200 (docs/performance.md): at 512-576 rows the
+  in-register kernels reach about 300 TFLOP/s against cuBLAS's 620, so the temporary's extra
+  bytes cost less than the slower matmul (bloom-7b1 fc2 at 576 rows: 277 us in-register, about
+  175 dequantized); at 128-256 rows the in-register kernels are faster. Dequantizing first (not
+  scaling the output) keeps fp16 products of int8 values (up to 127 * sqrt(K)) from overflowing.
 """
 
 from __future__ import annotations
@@ -25,6 +32,10 @@ def epilogue(y: torch.Tensor, *, gelu: bool, residual: torch.Tensor | None) -> t
     return y + residual if residual is not None else y
 
 
+# Launches of more rows than this dequantize their weight for cuBLAS (the module docstring).
+DEQUANT_ROWS = 256
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.numel() // x.shape[-1], x.shape[-1])
 
@@ -39,6 +50,12 @@ def int8_linear(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`gelu((x @ q^T) * scale + bias) + residual` (gelu and residual optional)."""
+    many = x.numel() // x.shape[-1] > DEQUANT_ROWS
+    if x.dtype in (torch.float16, torch.bfloat16) and many:
+        from .dequant import dequantize
+
+        y = F.linear(x, dequantize(q, scale, x.dtype), bias)
+        return epilogue(y, gelu=gelu, residual=residual)
     if x.dtype in (torch.float16, torch.bfloat16):
         from .w8a16 import w8a16_matmul
 
@@ -60,6 +77,11 @@ def int4_linear(
 ) -> torch.Tensor:
     """`gelu(x @ w^T + bias) + residual` for group-wise int4 w (quant.py's format), x fp16 or
     bf16 (quant.py's reference computes the rest)."""
+    if x.numel() // x.shape[-1] > DEQUANT_ROWS:
+        from .dequant import dequantize_int4
+
+        y = F.linear(x, dequantize_int4(packed, scale, offset, x.dtype), bias)
+        return epilogue(y, gelu=gelu, residual=residual)
     from .w4a16 import w4a16_matmul
 
     y = w4a16_matmul(_rows(x), packed, scale, offset, bias, gelu=gelu, residual=residual)
