@@ -28,6 +28,10 @@ $(VENV)/.test-extras: $(BIN)/mpinfer
 	# Hugging Face's text-generation client (a test client) pins huggingface_hub<1.0, which
 	# transformers 5 cannot use; it works with the newer hub, so it goes in without its pins.
 	$(BIN)/pip install -q --no-deps text-generation==0.7.0
+	# Triton's interpreter runs the GPU kernels on a CPU (tests/test_kernels.py). A CUDA build
+	# of torch brings its own Triton: only a CPU build gets this one.
+	$(BIN)/python -c "import sys, torch; sys.exit(torch.version.cuda is not None)" && \
+	    $(BIN)/pip install -q triton==3.9.0 || true
 	touch $@
 
 install: $(BIN)/mpinfer

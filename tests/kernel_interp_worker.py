@@ -1,0 +1,87 @@
+"""Run under TRITON_INTERPRET=1 by tests/test_kernels.py: the GPU kernels (W8A16, W4A16, the
+dequantizers) executed by Triton's interpreter on CPU tensors, against the pure-torch reference
+on fresh random inputs. Prints one line per case and exits 1 if any case is off.
+
+    TRITON_INTERPRET=1 python tests/kernel_interp_worker.py
+"""
+
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import torch  # noqa: E402
+
+from mpinfer.model.kernels import dequant, tuning, w4a16, w8a16  # noqa: E402
+from mpinfer.model.quant import dequantize_int4, quantize_int4, quantize_rows  # noqa: E402
+
+# The interpreter has no CUDA device: one CPU scratch for both kernels.
+SCRATCH = (torch.zeros(tuning.WORKSPACE_BYTES // 4),
+           torch.zeros(tuning.COUNTERS, dtype=torch.int32))  # fmt: skip
+w8a16.device_scratch = w4a16.device_scratch = lambda device: SCRATCH
+
+
+def fused(y, gelu, res):
+    if gelu:
+        y = torch.nn.functional.gelu(y, approximate="tanh")
+    return y + res.float() if res is not None else y
+
+
+def check(label, y, ref) -> bool:
+    err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+    # fp16 outputs and weights: 2^-11 relative each; 1e-2 of the largest value is far above
+    # that and far below a wrong tile, split or nibble (errors of order 1).
+    ok = err < 1e-2 and not SCRATCH[1].any()
+    print(f"{label}: max error {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
+def main() -> int:
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    dt = torch.float16
+    ok = True
+    N, K = 100, 640  # ragged against every tile: N % 16, K % 256
+    q, s = quantize_rows(torch.randn(N, K, generator=g))
+    b = torch.randn(N, generator=g).to(dt)
+    for M, cfg in [(1, "fma n16 k256 split1 pf0 magic0 w4 s3"),
+                   (1, "fma n8 k512 split1 pf1 magic1 w4 s1"),
+                   (1, "dot n64 k128 split3 pf0 magic0 w4 s3"),
+                   (5, "dot n32 k128 split2 pf0 magic1 w4 s3"),
+                   (20, "swap n64 k128 split1 pf0 magic0 w4 s4"),
+                   (130, "dot n64 k64 split1 pf0 magic1 w4 s3 m64"),
+                   (130, "swap n64 k64 split2 pf0 magic0 w4 s3 m64")]:  # fmt: skip
+        x = torch.randn(M, K, generator=g).to(dt)
+        res = torch.randn(M, N, generator=g).to(dt)
+        y = w8a16.w8a16_matmul(x, q, s, b, gelu=True, residual=res, config=cfg)
+        ok &= check(f"int8 {M} rows {cfg}", y, fused(x.float() @ q.float().T * s + b.float(),
+                                                     True, res))  # fmt: skip
+    N, K = 100, 640  # five groups of 128: uneven splits, a last odd group for two-at-a-time
+    for sym in (False, True):
+        p, s4, o4 = quantize_int4(torch.randn(N, K, generator=g), 128, symmetric=sym)
+        w = dequantize_int4(p, s4, o4)
+        for M, cfg in [(1, "fma n16 k128 split1 pf0 magic0 w4 s3"),
+                       (1, "fma n32 k128 split3 pf0 magic0 w4 s3"),
+                       (1, "fma n16 k128 split2 pf1 magic0 w4 s3"),
+                       (5, "dot n32 k128 split2 pf0 magic1 w4 s3"),
+                       (20, "swap n64 k128 split1 pf0 magic0 w4 s4"),
+                       (130, "dot n64 k128 split1 pf0 magic1 w4 s3 m64"),
+                       (130, "swap n64 k128 split2 pf0 magic0 w4 s3 m64")]:  # fmt: skip
+            x = torch.randn(M, K, generator=g).to(dt)
+            res = torch.randn(M, N, generator=g).to(dt)
+            y = w4a16.w4a16_matmul(x, p, s4, o4, b, gelu=True, residual=res, config=cfg)
+            ok &= check(f"int4 sym={sym} {M} rows {cfg}", y,
+                        fused(x.float() @ w.T + b.float(), True, res))  # fmt: skip
+    for G in (64, 128):
+        p, s4, o4 = quantize_int4(torch.randn(37, 512, generator=g), G)
+        ok &= check(
+            f"dequantize int4 groups of {G}",
+            dequant.dequantize_int4(p, s4, o4, torch.float32),
+            dequantize_int4(p, s4, o4),
+        )
+    q, s = quantize_rows(torch.randn(37, 700, generator=g))
+    ok &= check("dequantize int8", dequant.dequantize(q, s, torch.float32), q.float() * s[:, None])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
