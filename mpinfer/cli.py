@@ -15,6 +15,7 @@ import importlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -81,6 +82,7 @@ def check_before_spawning(cmd: str, argv: list[str], topo: Topology) -> None:
     """What can be known before any rank starts, said once (a ValueError): the configuration,
     the model (a Hub id is fetched here, once), the tensor-parallel size against the heads,
     and for `serve` on rank 0's host whether its port can be bound."""
+    topo.check()  # --nproc 0 and the like: one line, before anything is read
     module, func = PARSERS[cmd].split(":")
     args = getattr(importlib.import_module(module), func)().parse_args(argv)
     cfg = config_from_args(args)
@@ -184,10 +186,18 @@ def generate_main(argv: list[str] | None = None) -> int:
             raise ValueError(error)
         engine = start(cfg, ctx, slots=slots, max_seq=max_seq)
         if engine is None:
-            return
+            return None
         results: dict[int, object] = {}
         for i, p in enumerate(ids):
             engine.submit(p, params, lambda ev, i=i: ev.kind != "token" and results.update({i: ev}))
+        stopped: list[int] = []
+
+        def on_signal(signum, _frame):  # Ctrl-C: end every request where it is, keep the text
+            stopped.append(signum)
+            engine.cancel_all()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
         engine.run(until_idle=True)
         for i, prompt in enumerate(prompts):
             ev = results[i]
@@ -200,6 +210,12 @@ def generate_main(argv: list[str] | None = None) -> int:
                 print(json.dumps(record, ensure_ascii=False), flush=True)
             else:
                 print(f"{prompt}{r.text}", flush=True)
+        if stopped:
+            tokens = sum(len(ev.result.token_ids) for ev in results.values() if ev.result)
+            print(f"{signal.Signals(stopped[0]).name}: stopped after {tokens} tokens (the text so "
+                  "far is above)", file=sys.stderr, flush=True)  # fmt: skip
+            return 128 + stopped[0]
+        return None
 
     return run_rank(work, cfg)
 

@@ -202,6 +202,7 @@ PRE_SPAWN = {
     "file": (["generate", "--nproc", "2", "--model", "README.md"], "README.md is a file"),
     "dir": (["generate", "--nproc", "2", "--model", "mpinfer"],
             "mpinfer has no config.json, so it is not a model directory"),
+    "nproc0": (["generate", "--nproc", "0"], "--nproc=0 must be >= 1"),
 }  # fmt: skip
 
 

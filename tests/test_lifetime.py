@@ -157,3 +157,46 @@ def test_mpinfer_generate_nproc_is_quiet_and_says_so(ckpts):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Setting OMP_NUM_THREADS" not in proc.stderr and "Traceback" not in proc.stderr
     assert "OMP_NUM_THREADS=" in proc.stderr
+
+
+def test_ctrl_c_during_generate_keeps_the_text_so_far_and_exits_130(ckpts):
+    """Ctrl-C in the terminal of `mpinfer generate --nproc 2` (the pty's interrupt character:
+    SIGINT to the launcher, which passes it on): the requests end where they are, rank 0 prints
+    the text so far and one line saying it stopped, exit 130, no traceback from any rank."""
+    import pexpect
+
+    child = pexpect.spawn(
+        sys.executable,
+        [
+            "-m",
+            "mpinfer.cli",
+            "generate",
+            "--nproc",
+            "2",
+            "--model",
+            str(ckpts["st_sharded"]),
+            "--prompt",
+            "Once upon a time",
+            "--max-new-tokens",
+            "480",
+            "--greedy",
+        ],  # fmt: skip
+        cwd=str(ROOT),
+        env=ENV,
+        encoding="utf-8",
+        timeout=120,
+    )
+    try:
+        child.expect("loaded in")  # the ranks are generating
+        time.sleep(0.3)
+        child.sendintr()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    out = child.before
+    assert child.exitstatus == 130, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    stopped = [line for line in out.splitlines() if "SIGINT: stopped after" in line]
+    assert len(stopped) == 1, out[-3000:]
+    tokens = int(stopped[0].split("after ")[1].split()[0])
+    assert 0 < tokens < 480 and "Once upon a time" in out, out[-3000:]

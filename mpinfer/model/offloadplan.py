@@ -20,6 +20,7 @@ import torch
 
 from ..config import RunConfig, ServerConfig
 from .bloom import BloomShape
+from .kernels import DEQUANT_ROWS
 from .memory import GIB, MemoryPlan, budget_bytes, plan_memory, suggest
 from .sharding import rank_entries, specs_for
 
@@ -126,9 +127,37 @@ def plan_offload(shape: BloomShape, cfg: RunConfig, *, tp_size: int,
                 f"does not fit even with every block in host memory: needs {least / GIB:.2f} GiB "
                 f"per GPU (embeddings, workspace, {depth} blocks in flight of "
                 f"{blk / GIB:.2f} GiB and one {plan.max_seq_len}-token KV sequence), has "
-                f"{budget / GIB:.2f} GiB"
+                f"{budget / GIB:.2f} GiB; {fit_hints(shape, cfg, tp_size, budget, least)}"
             )
     return OffloadPlan(tuple(spread(n, shape.n_layer)), min(depth, n), blk, plan.weights, flops)
+
+
+def fit_hints(shape: BloomShape, cfg: RunConfig, tp_size: int, budget: int, least: int) -> str:
+    """What would make a refused budget work: the smallest budget, and each of the options that
+    fits this one (int8 embeddings, an int8 KV cache, a shorter max_seq_len, int4 weights)."""
+    q, s = cfg.quant, cfg.server
+    tries = []
+    if q.embeddings != "int8" and q.method != "llm.int8":
+        tries.append(('quant.embeddings="int8"', {"quant": {"embeddings": "int8"}}))
+    if s.kv_cache_dtype != "int8":
+        tries.append(('server.kv_cache_dtype="int8"', {"server": {"kv_cache_dtype": "int8"}}))
+    for seq in (1024, 512):
+        if s.max_seq_len > seq:
+            tries.append((f"server.max_seq_len={seq}", {"server": {"max_seq_len": seq}}))
+            break
+    if q.method == "int8":
+        tries.append(('quant.method="int4"', {"quant": {"method": "int4"}}))
+    works = []
+    for text, change in tries:
+        trial = dataclasses.replace(cfg, **{sec: dataclasses.replace(getattr(cfg, sec), **kv)
+                                            for sec, kv in change.items()})  # fmt: skip
+        try:
+            plan_offload(shape, trial, tp_size=tp_size, budget=budget)
+        except ValueError:
+            continue
+        works.append(text)
+    hint = f"a budget of {least / GIB:.2f} GiB would do"
+    return hint + (f", or this one with {' or '.join(works)}" if works else "")
 
 
 def with_offload(plan: MemoryPlan, off: OffloadPlan | None) -> MemoryPlan:
@@ -156,7 +185,8 @@ def check_host_memory(off: OffloadPlan | None, *, ranks: int | None = None,
         raise ValueError(
             f"not enough host memory to hold the offloaded blocks: needs {need / GIB:.1f} GiB "
             f"({len(off.offloaded)} blocks x {off.block_bytes / GIB:.2f} GiB x {ranks} ranks + 1 "
-            f"GiB), {have / GIB:.1f} GiB available; raise model.memory_budget or tp"
+            f"GiB), {have / GIB:.1f} GiB available on this host; raise model.memory_budget or "
+            "tp (`mpinfer plan --host-mem SIZE` plans for another machine's RAM)"
         )
 
 
@@ -220,9 +250,9 @@ def plan_for_throughput(shape: BloomShape, cfg: RunConfig, *, tp_size: int, budg
     that fits to every block (as far as the host can pin, `host_bytes` for this host's ranks),
     rows = the sequences of PLANNED_SEQUENCE tokens the cache holds (at most the batch from
     which a step is compute-bound, and MAX_PLANNED_ROWS), and keeps the fastest. It sets the
-    KV cache to int8 (unless server.kv_cache_dtype says "model"), and raises max_batch_slots and
-    max_prefill_tokens to the plan unless the config set them. Unchanged: a model that fits, or
-    a config that names its offload_blocks."""
+    KV cache to int8 (unless server.kv_cache_dtype says "model"), max_batch_slots to the rows
+    and max_prefill_tokens to what keeps a step at 256 tokens, unless the config set them.
+    Unchanged: a model that fits, or a config that names its offload_blocks."""
     if cfg.model.offload_blocks != -1 or budget is None or cfg.quant.method == "llm.int8":
         return cfg, None
     least = plan_offload(shape, cfg, tp_size=tp_size, budget=budget)
@@ -252,8 +282,10 @@ def plan_for_throughput(shape: BloomShape, cfg: RunConfig, *, tp_size: int, budg
         if rows < 1 or not plan.fits:
             continue
         step = off.predict_ms(rows, host_gbps, gpu_tbps, gpu_tflops)
-        prefill = s.max_prefill_tokens if fixed_prefill else max(
-            s.max_prefill_tokens, min(2048, bound - rows))  # fmt: skip
+        # Prompt tokens a step: what keeps the step at DEQUANT_ROWS tokens (measured on the
+        # H200: 2,048 a step held 1.9 GiB of transient activations and a dequantized weight,
+        # which the KV cache then lacked), at least 64.
+        prefill = s.max_prefill_tokens if fixed_prefill else max(64, DEQUANT_ROWS - rows)
         cand = ThroughputPlan(n, rows, prefill, kv_int8, plan.kv_tokens, step,
                               rows / step * 1e3)  # fmt: skip
         if best is None or cand.tok_s > best.tok_s * 1.001:  # ties: fewer blocks offloaded

@@ -28,7 +28,7 @@ import uvicorn
 from ..config import RunConfig, add_config_args, config_from_args
 from ..dist import DistContext, raise_everywhere
 from ..startup.launcher import add_launch_args
-from ..startup.runtime import run_rank, start
+from ..startup.runtime import Interrupted, note_stop_signal, on_stop_signal, run_rank, start
 from .chat import load_chat_template
 from .guard import protocol_for
 from .routes import build_app
@@ -62,10 +62,6 @@ def serve_main(argv: list[str] | None = None) -> int:
     return run_rank(lambda ctx: serve_rank(cfg, ctx), cfg)
 
 
-class StopRequested(Exception):
-    """SIGTERM/SIGINT arrived while the model was loading."""
-
-
 def start_http(state: State, cfg: RunConfig) -> tuple[uvicorn.Server, threading.Thread]:
     s = cfg.server
     config = uvicorn.Config(build_app(state), host=s.host, port=s.port, log_level="warning",
@@ -89,7 +85,7 @@ def serve_rank(cfg: RunConfig, ctx: DistContext) -> None:
     s = cfg.server
     if not ctx.is_rank0:
         for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 decides when to stop
-            signal.signal(sig, lambda *_: log.info("signal ignored: rank 0 drives shutdown"))
+            signal.signal(sig, note_stop_signal)
         raise_everywhere(None, ctx)  # rank 0's check of the chat template
         start(cfg, ctx)
         return
@@ -101,9 +97,9 @@ def serve_rank(cfg: RunConfig, ctx: DistContext) -> None:
     raise_everywhere(error, ctx)
     state = State(cfg, model_name=Path(cfg.model.path).name)
 
-    def while_loading(signum, _frame):
+    def while_loading(signum, frame):
         state.status = "stopping"
-        raise StopRequested(signal.Signals(signum).name)
+        on_stop_signal(signum, frame)  # raises Interrupted: run_rank ends the rank in one line
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, while_loading)
@@ -115,9 +111,9 @@ def serve_rank(cfg: RunConfig, ctx: DistContext) -> None:
         state.status = "ready"
         log.info("ready: http://%s:%d", s.host, s.port)
         engine.run()
-    except StopRequested as e:
-        log.error("%s while loading: stopped before serving", e)
-        raise SystemExit(1) from None
+    except Interrupted as e:
+        e.what = "stopped while loading, before serving"
+        raise
     except BaseException:
         state.status = "failed"
         time.sleep(0.5)  # let in-flight requests deliver their error before the socket closes

@@ -5,10 +5,12 @@ Each rank is `python -m mpinfer.cli SUBCOMMAND ...` with the environment torchru
 terminal's Ctrl-C reaches the launcher alone; rank 0 keeps the launcher's stdin. What a service
 manager needs from it:
 
-- SIGTERM or SIGINT: passed on to rank 0 (as it came to a server, else as SIGTERM); it drains (the
-  server: up to `server.shutdown_timeout`) and tells the other ranks to stop; the launcher exits
-  with the ranks' status, 0 after a clean drain, without a traceback. A second signal kills every
-  rank at once and exits 128 + the signal's number (so does the first, on a host without rank 0).
+- SIGTERM or SIGINT: passed on to every rank as it came. Rank 0 decides: a server drains (up to
+  `server.shutdown_timeout`) and tells the other ranks to stop, exit 0; `generate` ends its
+  requests where they are, prints the text so far and exits 128 + the signal (130 for Ctrl-C);
+  while loading every rank stops at once, with one line. The others note the signal and follow
+  rank 0 (runtime.py); no rank prints a traceback. A second signal kills every rank at once and
+  exits 128 + the signal's number (so does the first, on a host without rank 0).
 - A rank that fails: the others get `grace_s` to notice (their collectives fail) before they are
   killed; the launcher exits with the first failure's status.
 - The launcher killed outright: each rank notices its parent is gone and exits
@@ -22,6 +24,7 @@ here: anything a rank does (runtime.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -92,8 +95,11 @@ def launch(topo: Topology, subcommand: str, argv: list[str], *, grace_s: float =
     def on_signal(signum, _frame):
         signals.append(signum)
         if len(signals) == 1 and topo.node_rank == 0:
-            # rank 0 drains; the server logs the signal by its own name (others take SIGTERM)
-            procs[0].send_signal(signum if subcommand == "serve" else signal.SIGTERM)
+            # Every rank gets it: rank 0 decides (a server drains, generate keeps its text so
+            # far); the others note it and stop when rank 0 says so, or quietly if it cannot.
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signum)
         else:  # a second signal, or a host without rank 0 (the job cannot go on without it)
             for p in procs:
                 p.kill()
@@ -105,7 +111,10 @@ def launch(topo: Topology, subcommand: str, argv: list[str], *, grace_s: float =
             codes = [p.returncode for p in procs if p.returncode not in (None, 0)]
             if codes and failed_at is None:
                 failed_at, status = time.monotonic(), codes[0]
-            if failed_at is not None and time.monotonic() - failed_at > grace_s:
+            # After a stop signal a rank that ended lets the others go at once (they are waiting
+            # for it); otherwise they get grace_s to report their own error.
+            grace = 3.0 if signals else grace_s
+            if failed_at is not None and time.monotonic() - failed_at > grace:
                 for p in procs:
                     p.kill()
             time.sleep(0.05)

@@ -1,7 +1,9 @@
 """Start-up and teardown of a rank, written once for every face (server, REPL, generate).
 
     run_rank(work, cfg)   init the process groups, watch the launcher, run work(ctx), tear down;
-                          a user error (ValueError) ends every rank with exit 1 and its message
+                          a user error (ValueError) ends every rank with exit 1 and its message;
+                          SIGINT/SIGTERM before a face takes them over ends the rank quietly
+                          (one line, exit 128 + the signal: 130 for Ctrl-C)
     prepare(cfg, ctx)     load the model, allocate a first KV pool, warm up and capture the
                           step graphs (collectives, on every rank at this same point)
     start(cfg, ctx)       prepare; rank 0 gets the Engine and warms it up, then every rank
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -78,16 +81,52 @@ def watch_launcher(interval: float = 0.5) -> None:
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
-def run_rank(work: Callable[[DistContext], None], cfg: RunConfig) -> int:
-    """Init the process groups, run `work(ctx)`, tear down; user errors exit 1 on every rank."""
+class Interrupted(BaseException):
+    """A stop signal (SIGINT, SIGTERM) reached this rank where nothing else handles it: not an
+    Exception, so no `except Exception` of the work swallows it."""
+
+    def __init__(self, signum: int, what: str = "stopped"):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.what = signum, what
+
+
+STOP_SIGNALS: list[int] = []  # the stop signals this rank has seen, first first
+
+
+def on_stop_signal(signum, _frame) -> None:
+    """The default: note the signal and end the rank's work (run_rank says so in one line)."""
+    STOP_SIGNALS.append(signum)
+    raise Interrupted(signum)
+
+
+def note_stop_signal(signum, _frame) -> None:
+    """Ranks other than 0 once serving: rank 0 decides when to stop; the signal is noted, so a
+    collective that fails because rank 0 went away ends this rank quietly too."""
+    STOP_SIGNALS.append(signum)
+
+
+def run_rank(work: Callable[[DistContext], int | None], cfg: RunConfig) -> int:
+    """Init the process groups, run `work(ctx)` (its int, if it returns one, is the exit code),
+    tear down; user errors exit 1 on every rank, a stop signal 128 + its number, in one line."""
     watch_launcher()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_stop_signal)
     ctx = init_distributed(timeout_s=cfg.parallel.timeout_s)
     try:
-        work(ctx)
-        return 0
+        return work(ctx) or 0
     except ValueError as e:
         log.error("%s", e)
         return 1
+    except Interrupted as e:
+        if ctx.is_rank0:
+            log.warning("%s: %s", e, e.what)
+        return 128 + e.signum
+    except Exception as e:
+        if not STOP_SIGNALS:
+            raise
+        # A peer stopped by the same signal: what this rank was waiting for cannot come.
+        log.debug("after %s: %s", signal.Signals(STOP_SIGNALS[0]).name, e)
+        return 128 + STOP_SIGNALS[0]
     finally:
         teardown()
 
@@ -139,6 +178,9 @@ def start(
     """Every rank: `prepare` (unless given its runner). Rank 0 returns its Engine (not yet
     running); the other ranks serve rank 0's steps here and return None when it stops."""
     runner = runner or prepare(cfg, ctx, slots=slots, max_seq=max_seq)
+    if not ctx.is_rank0:  # rank 0 decides when to stop; its STOP step ends the loop below
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, note_stop_signal)
     s = (runner.loaded.cfg or cfg).server
     if ctx.is_rank0:
         engine = Engine(runner, ctx, load_tokenizer(runner.loaded.model_dir),
