@@ -94,6 +94,8 @@ class GenerationConfig:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
+    # A bearer token on every route but /health: the key, or "env:NAME" (an environment
+    # variable) or "file:PATH" (a file's first line), so it need not show in `ps`.
     api_key: str = ""
     # Sequences in the KV cache at once (cache rows), a cap: how many actually run is decided
     # by the cache's free blocks (engine.py).

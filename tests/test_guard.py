@@ -130,11 +130,17 @@ def test_one_requests_fan_out_cannot_starve_another(guarded):
     assert ends["small"] < ends["big"] - 0.5, ends
 
 
-def test_megabyte_prompts_are_tokenized_off_the_event_loop(guarded):
+def test_megabyte_prompts_are_tokenized_off_the_event_loop(guarded, ckpts):
     """Four 1 MB prompts at once (over max_seq_len: refused once tokenized): /health keeps
-    answering in well under a second while the tokenizer works."""
+    answering while the tokenizer works. Measured against this machine's own pace rather than
+    a fixed time: tokenized on the event loop, /health would wait at least one whole encode of
+    such a prompt (timed here, in this process, beside the same load); off it, well under half
+    of one (a busy 2-core machine made a fixed 0.75 s limit flaky)."""
+    from tokenizers import Tokenizer
+
     text = " ".join(f"w{i % 5000}" for i in range(180_000))[:1_000_000]
-    slowest = []
+    slowest, encode_s = [], []
+    tok = Tokenizer.from_file(str(ckpts["st_sharded"] / "tokenizer.json"))
 
     def post():
         httpx.post(guarded.url + "/generate", json={"inputs": text}, timeout=120)
@@ -142,6 +148,9 @@ def test_megabyte_prompts_are_tokenized_off_the_event_loop(guarded):
     threads = [threading.Thread(target=post) for _ in range(4)]
     for t in threads:
         t.start()
+    t0 = time.perf_counter()
+    tok.encode(text)  # one encode of the same text while the server's four run
+    encode_s.append(time.perf_counter() - t0)
     while any(t.is_alive() for t in threads):
         t0 = time.perf_counter()
         httpx.get(guarded.url + "/health", timeout=30)
@@ -149,7 +158,7 @@ def test_megabyte_prompts_are_tokenized_off_the_event_loop(guarded):
         time.sleep(0.05)
     for t in threads:
         t.join()
-    assert max(slowest) < 0.75, max(slowest)
+    assert slowest and max(slowest) < 0.2 + 0.5 * encode_s[0], (max(slowest), encode_s)
 
 
 def test_browser_and_rebinding_requests_are_refused(guarded):
@@ -230,3 +239,25 @@ def test_a_stopped_rank_turns_health_to_503_long_before_the_timeout(ckpts):
     finally:
         s.ranks[1].send_signal(signal.SIGCONT)
         s.stop()
+
+
+def test_the_api_key_can_come_from_the_environment_or_a_file(tmp_path, monkeypatch):
+    """server.api_key="env:NAME" / "file:PATH": the key stays out of the command line (`ps`);
+    a missing variable or file is an error naming it."""
+    import pytest
+
+    from mpinfer.server.guard import resolve_api_key
+
+    monkeypatch.setenv("MPINFER_TEST_KEY", " k3y \n")
+    assert resolve_api_key("env:MPINFER_TEST_KEY") == "k3y"
+    (tmp_path / "key").write_text("s3cret\nsecond line ignored\n")
+    assert resolve_api_key(f"file:{tmp_path / 'key'}") == "s3cret"
+    assert resolve_api_key("plain") == "plain"
+    monkeypatch.delenv("MPINFER_TEST_KEY")
+    with pytest.raises(ValueError, match="environment variable MPINFER_TEST_KEY is not set"):
+        resolve_api_key("env:MPINFER_TEST_KEY")
+    with pytest.raises(ValueError, match="cannot be read"):
+        resolve_api_key(f"file:{tmp_path / 'missing'}")
+    (tmp_path / "empty").write_text("")
+    with pytest.raises(ValueError, match="is empty"):
+        resolve_api_key(f"file:{tmp_path / 'empty'}")

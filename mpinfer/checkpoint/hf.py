@@ -23,6 +23,9 @@ from safetensors import safe_open
 from ..model.bloom import BloomShape
 from ..model.sharding import ShardSpec, specs_for
 
+# Larger than any real config.json (a few KB) by far; a bigger file is not one.
+MAX_CONFIG_BYTES = 1 << 20
+
 PREFIX = "transformer."
 # Tensors a BLOOM checkpoint may hold that the model does not use (the LM head is tied).
 IGNORED = ("lm_head.weight",)
@@ -56,10 +59,16 @@ def read_config(model_dir: str | os.PathLike) -> dict:
         held = sorted(p.name for p in Path(model_dir).iterdir())[:6]
         raise CheckpointError(f"{model_dir} has no config.json, so it is not a model directory "
                               f"(it holds: {', '.join(held) or 'nothing'})")  # fmt: skip
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise CheckpointError(f"{path} is {path.stat().st_size:,} bytes: not a model config "
+                              f"(at most {MAX_CONFIG_BYTES:,})")  # fmt: skip
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} cannot be read as JSON: {e}") from None
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path} cannot be read as JSON: {str(e)[:200]}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(config).__name__}, not an object")
+    return config
 
 
 def _strip(name: str) -> str:
@@ -86,11 +95,19 @@ class HFCheckpoint:
             if index.is_file():
                 try:
                     weight_map = json.loads(index.read_text())["weight_map"]
-                except (OSError, json.JSONDecodeError, KeyError) as e:
-                    raise CheckpointError(f"{index} is not a valid index: {e}") from None
+                    items = list(weight_map.items())
+                except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+                        AttributeError, RecursionError) as e:  # fmt: skip
+                    raise CheckpointError(f"{index} is not a valid index: {str(e)[:200]}") from None
                 by_file: dict[Path, list[str]] = {}
-                for key, fname in weight_map.items():
-                    by_file.setdefault(self.dir / fname, []).append(key)
+                root = self.dir.resolve()
+                for key, fname in items:
+                    path = self.dir / str(fname)
+                    # The weights must be the model directory's own: no ../, no absolute paths.
+                    if not isinstance(fname, str) or root not in path.resolve().parents:
+                        raise CheckpointError(f"{index} names {fname!r} for {key}: not a file "
+                                              f"inside {self.dir}")  # fmt: skip
+                    by_file.setdefault(path, []).append(key)
                 for path in by_file:
                     if not path.is_file():
                         raise CheckpointError(

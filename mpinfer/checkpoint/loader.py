@@ -70,11 +70,15 @@ def build_meta_model(shape: BloomShape, tp: TPGroup, cfg: RunConfig, dtype) -> B
 def assign_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     """Replace the meta parameter `name` with `tensor` (already on the device)."""
     module_name, _, attr = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    old = getattr(module, attr)
-    assert old.shape == tensor.shape and old.dtype == tensor.dtype, (
-        f"{name}: planned {tuple(old.shape)} {old.dtype}, got {tuple(tensor.shape)} {tensor.dtype}"
-    )
+    try:
+        module = model.get_submodule(module_name)
+        old = getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"tensor {name}: the model has no such parameter") from None
+    if old.shape != tensor.shape or old.dtype != tensor.dtype:
+        # A checked error, not an assertion: it must hold under python -O too.
+        raise ValueError(f"tensor {name}: the plan is {tuple(old.shape)} {old.dtype}, the "
+                         f"checkpoint gives {tuple(tensor.shape)} {tensor.dtype}")  # fmt: skip
     setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
 
 

@@ -86,9 +86,18 @@ class BloomShape:
         hidden = cfg.get("hidden_size", cfg.get("n_embed"))
         n_head = cfg.get("n_head", cfg.get("num_attention_heads"))
         n_layer = cfg.get("n_layer", cfg.get("num_hidden_layers"))
-        for key, value in (("hidden_size", hidden), ("n_head", n_head), ("n_layer", n_layer)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"config.json: {key}={value!r} must be a positive integer")
+        vocab = cfg.get("vocab_size")
+        # Bounds far past any BLOOM (176B: 70 layers, hidden 14336, 112 heads, 250880 tokens),
+        # so a config that lies is refused before anything is planned or allocated.
+        for key, value, most in (
+            ("hidden_size", hidden, 1 << 17),
+            ("n_head", n_head, 4096),
+            ("n_layer", n_layer, 1024),
+            ("vocab_size", vocab, 1 << 23),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= most:
+                raise ValueError(f"config.json: {key}={value!r} must be an integer from 1 to "
+                                 f"{most}")  # fmt: skip
         if hidden % n_head:
             raise ValueError(
                 f"config.json: hidden_size={hidden} is not divisible by n_head={n_head}"
@@ -99,7 +108,7 @@ class BloomShape:
             return default if value is None else int(value)
 
         return cls(
-            vocab_size=int(cfg["vocab_size"]),
+            vocab_size=vocab,
             hidden_size=hidden,
             n_layer=n_layer,
             n_head=n_head,

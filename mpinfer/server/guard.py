@@ -9,7 +9,9 @@ The connection (`GuardedH11`, uvicorn's h11 protocol with three additions):
 - a request line and headers over `server.max_header_bytes` get h11's 431/400 and a close.
 
 The request (`Guard`, an ASGI middleware):
-- `server.api_key`: a bearer token on every route but /health (401);
+- `server.api_key`: a bearer token on every route but /health (401), compared in constant time;
+  "env:NAME" reads it from the environment variable NAME and "file:PATH" from a file (its
+  first line), so the key need not appear in a command line (`ps`);
 - the body: `server.max_body_bytes` whatever the transfer encoding: a Content-Length over it is
   refused before reading, a chunked body as soon as what arrived passes it (413); nothing
   larger is ever held;
@@ -23,8 +25,11 @@ The request (`Guard`, an ASGI middleware):
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
+import os
 import time
+from pathlib import Path
 
 from fastapi import Request
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -57,6 +62,27 @@ def allowed_hosts(cfg: ServerConfig) -> set[str] | None:
     return names | {f"{n}:{cfg.port}" for n in names}
 
 
+def resolve_api_key(text: str) -> str:
+    """server.api_key: the key itself, "env:NAME" (the environment variable NAME) or
+    "file:PATH" (the file's first line); a ValueError naming what is missing."""
+    if text.startswith("env:"):
+        name = text[4:]
+        if not os.environ.get(name):
+            raise ValueError(f"server.api_key={text!r}: the environment variable {name} is "
+                             "not set")  # fmt: skip
+        return os.environ[name].strip()
+    if text.startswith("file:"):
+        path = Path(text[5:])
+        try:
+            key = path.read_text().splitlines()[0].strip() if path.stat().st_size else ""
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"server.api_key={text!r}: {path} cannot be read ({e})") from None
+        if not key:
+            raise ValueError(f"server.api_key={text!r}: {path} is empty")
+        return key
+    return text
+
+
 class Guard:
     """The per-request checks above, as ASGI middleware; `reject(request, ApiError)` answers in
     the route family's error shape."""
@@ -64,6 +90,8 @@ class Guard:
     def __init__(self, app, *, cfg: ServerConfig, reject):
         self.app, self.cfg, self.reject = app, cfg, reject
         self.hosts = allowed_hosts(cfg)
+        key = resolve_api_key(cfg.api_key)
+        self.bearer = f"Bearer {key}".encode() if key else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -91,8 +119,9 @@ class Guard:
             return ApiError(421, f"Host {headers.get('host', '')!r} is not this server (bound to "
                             f"{cfg.host}; server.allowed_hosts adds names)", field="host",
                             kind="misdirected")  # fmt: skip
-        if cfg.api_key and request.url.path != "/health":
-            if headers.get("authorization", "") != f"Bearer {cfg.api_key}":
+        if self.bearer is not None and request.url.path != "/health":
+            sent = headers.get("authorization", "").encode("utf-8", "replace")
+            if not hmac.compare_digest(sent, self.bearer):
                 return ApiError(401, "missing or wrong bearer token", field="authorization",
                                 kind="auth")  # fmt: skip
         size = headers.get("content-length", "")

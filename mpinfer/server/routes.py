@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 from .. import __version__
 from . import oairoutes, tgi
 from .api import ApiError, Body, openai_error, read_json, tgi_error, validate
-from .guard import BodyTooLarge, Guard
+from .guard import BodyTooLarge, Guard, resolve_api_key
 from .oai import Message, OpenAIError, fail, message_list
 from .openapi import describe
 from .streams import State
@@ -51,6 +51,7 @@ def build_app(state: State) -> FastAPI:
                   "TGI and OpenAI-compatible routes.")  # fmt: skip
     cfg = state.cfg.server
 
+    resolve_api_key(cfg.api_key)  # a missing variable or file is a start-up error, not a 500
     app.add_middleware(Guard, cfg=cfg, reject=lambda request, e: error_response(request, e, state))
 
     @app.exception_handler(BodyTooLarge)
