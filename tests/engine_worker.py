@@ -139,7 +139,7 @@ def scenarios(runner, ctx, tok):
     t.start()
     engine.run(until_idle=True)
     t.join()
-    out["cancel"] = {"result": as_dict(box["result"]), "free": len(engine.free),
+    out["cancel"] = {"result": as_dict(box["result"]), "free": len(engine.scheduler.free),
                      "running": engine.running_slots}  # fmt: skip
 
     # 7. A full queue rejects with a clear error (no run needed; stop ends the workers' loop).
@@ -200,8 +200,8 @@ def scenarios(runner, ctx, tok):
 
     engine._launch_next = cancel_after_two_steps
     engine.run(until_idle=True)
-    out["cancel_mid_prompt"] = {"result": as_dict(box["result"]), "free": len(engine.free),
-                                "steps": engine.steps,
+    out["cancel_mid_prompt"] = {"result": as_dict(box["result"]),
+                                "free": len(engine.scheduler.free), "steps": engine.steps,
                                 "other": as_dict(other["result"])}  # fmt: skip
 
     # 9. A request whose sink raises on its third token fails alone: the others in its batch
@@ -219,7 +219,7 @@ def scenarios(runner, ctx, tok):
     engine.run(until_idle=True)
     out["sink_fault"] = {"victim": [e.kind for e in seen], "victim_error": seen[-1].error,
                          "others": [as_dict(b["result"]) for b in boxes],
-                         "free": len(engine.free), "victim_id": victim.id}  # fmt: skip
+                         "free": len(engine.scheduler.free), "victim_id": victim.id}  # fmt: skip
 
     # 10. NaN logits in one request's row (as a broken kernel would give): that request ends
     #     with an error, the rows beside it are untouched.
@@ -243,7 +243,8 @@ def scenarios(runner, ctx, tok):
                       "victim_result": as_dict(box_victim["result"]) if box_victim.get(
                           "result") else None,
                       "others": [as_dict(b["result"]) for b in boxes],
-                      "failed": engine.failed_requests, "free": len(engine.free)}  # fmt: skip
+                      "failed": engine.failed_requests,
+                      "free": len(engine.scheduler.free)}  # fmt: skip
     return out
 
 
@@ -266,9 +267,10 @@ def preemption(runner, small, ctx, tok, out):
     engine.run(until_idle=True)
     out["preempted"] = {"results": [as_dict(b["result"]) for b in boxes],
                         "reference": [as_dict(b["result"]) for b in ref_boxes],
-                        "reference_preemptions": ref.blocks.preemptions,
-                        "preemptions": engine.blocks.preemptions,
-                        "available": engine.blocks.pool.available, "blocks": small.num_blocks,
+                        "reference_preemptions": ref.scheduler.blocks.preemptions,
+                        "preemptions": engine.scheduler.blocks.preemptions,
+                        "available": engine.scheduler.blocks.pool.available,
+                        "blocks": small.num_blocks,
                         "params": [dataclasses.asdict(p) for p in params]}  # fmt: skip
 
 

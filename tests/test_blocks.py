@@ -10,8 +10,8 @@ import threading
 
 import pytest
 import torch
-
 from mpinfer.engine.blocks import BlockManager, BlockPool, block_keys
+
 from mpinfer.engine.request import Request, Sequence
 from mpinfer.engine.sampling import SamplingParams
 
@@ -180,17 +180,17 @@ def random_jobs(seed: int, n: int, vocab: int = 1001):
 def test_a_pool_too_small_for_the_batch_preempts_and_every_answer_is_unchanged(world):
     jobs = random_jobs(11, 10)
     ref, big = run_all(world, jobs, prefix=False)
-    assert big.blocks.preemptions == 0
+    assert big.scheduler.blocks.preemptions == 0
     # 12 blocks of 8 tokens for 4 rows of up to 80 tokens each: decodes run out of blocks.
     got, small = run_all(world, jobs, blocks=12, prefix=False)
-    assert small.blocks.preemptions >= 3
+    assert small.scheduler.blocks.preemptions >= 3
     for r, g in zip(ref, got, strict=True):
         assert g.token_ids == r.token_ids and g.text == r.text
         assert g.finish_reason == r.finish_reason == "length"
         torch.testing.assert_close(g.logprobs, r.logprobs, rtol=0, atol=1e-4)  # fp32 rounding
-    pool = small.blocks.pool
+    pool = small.scheduler.blocks.pool
     assert pool.available == pool.num_blocks and not any(pool.ref)
-    assert len(small.free) == 4 and not small.preempted
+    assert len(small.scheduler.free) == 4 and not small.scheduler.preempted
 
 
 def test_shared_prefixes_are_computed_once_and_answers_equal_uncached(world):
@@ -201,8 +201,8 @@ def test_shared_prefixes_are_computed_once_and_answers_equal_uncached(world):
     jobs.append((system + [7, 8], SamplingParams(max_new_tokens=3, prompt_logprobs=2)))
     ref, plain = run_all(world, jobs, prefix=False, slots=1)
     got, cached = run_all(world, jobs, prefix=True, slots=1)  # one at a time: each finds it
-    assert plain.blocks.cached_tokens == 0
-    assert cached.blocks.cached_tokens == 5 * 40  # every later job reuses the 5 full blocks
+    assert plain.scheduler.blocks.cached_tokens == 0
+    assert cached.scheduler.blocks.cached_tokens == 5 * 40  # every later job reuses the 5 full blocks
     for r, g in zip(ref, got, strict=True):
         assert g.token_ids == r.token_ids
         torch.testing.assert_close(g.logprobs, r.logprobs, rtol=0, atol=1e-4)
@@ -225,9 +225,13 @@ def test_cancelled_requests_return_every_block(world):
     got, engine = run_all(world, jobs, blocks=20, cancel=cancel)
     assert {r.finish_reason for r in got} <= {"length", "cancelled"}
     assert sum(r.finish_reason == "cancelled" for r in got) >= 1
-    pool = engine.blocks.pool
+    pool = engine.scheduler.blocks.pool
     assert pool.available == pool.num_blocks and not any(pool.ref)
-    assert len(engine.free) == 4 and not engine.running and not engine.preempted
+    assert (
+        len(engine.scheduler.free) == 4
+        and not engine.scheduler.running
+        and not engine.scheduler.preempted
+    )
 
 
 def test_a_request_that_can_never_fit_the_pool_is_refused_with_the_limit(world):

@@ -216,8 +216,14 @@ def test_int4_equals_its_own_dequantized_model(results, hf_model, ckpts, tp):
     torch.testing.assert_close(results[tp]["int4"]["logits"][m], ref[m], atol=1e-4, rtol=1e-4)
     for prompt, tokens in zip(PROMPTS, results[tp]["int4"]["tokens"]):
         x = torch.tensor([prompt])
-        gen = oracle.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW,
-                              do_sample=False, eos_token_id=2, pad_token_id=3)[0, len(prompt):]
+        gen = oracle.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=3,
+        )[0, len(prompt) :]
         gen = gen.tolist()
         assert tokens == (gen[: gen.index(2) + 1] if 2 in gen else gen), (prompt, tokens, gen)
 
@@ -233,8 +239,9 @@ def test_int4_and_int8_logit_error_against_fp32(results, hf_model):
         logits = results[2][name]["logits"][mask.bool()]
         kl, top1 = kl_and_top1(logits, ref)
         err[name] = (kl, top1, (logits - ref).abs().max().item())
-        print(f"\n{name} tp=2 vs fp32: KL={kl:.5f} top-1={top1:.3f} "
-              f"max |dlogit|={err[name][2]:.3f}")
+        print(
+            f"\n{name} tp=2 vs fp32: KL={kl:.5f} top-1={top1:.3f} max |dlogit|={err[name][2]:.3f}"
+        )
     # int4 has 16 levels a group against int8's 255 a row: more error, by a wide margin, and
     # still a model (KL < 0.5, top-1 > 0.5 here; a misplaced nibble gives top-1 ~ 1/vocab).
     assert err["int4"][0] > err["int8"][0] and err["int4"][2] > err["int8"][2]

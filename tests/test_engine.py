@@ -291,38 +291,103 @@ def test_one_flat_forward_equals_separate_padded_forwards():
                 torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
+def _scheduler(hold: int = 0, budget: int = 64, rows: int = 4, blocks: int = 1000):
+    """A Scheduler as the engine builds one, with no model, runner or sampler."""
+    from mpinfer.engine.blocks import BlockManager
+    from mpinfer.engine.request import Sequence
+    from mpinfer.engine.scheduler import Scheduler
+
+    return Scheduler(BlockManager(blocks, 16, blocks_per_row=16), rows=rows,
+                     max_prefill_tokens=budget, prefill_hold_steps=hold,
+                     new_sequence=lambda req: Sequence(req, -1, None))  # fmt: skip
+
+
+def _request(prompt: int, max_new: int = 50):
+    from mpinfer.engine.request import Request
+    from mpinfer.engine.sampling import SamplingParams
+
+    return Request(list(range(4, 4 + prompt)), SamplingParams(max_new_tokens=max_new),
+                   lambda ev: None)  # fmt: skip
+
+
 def test_prefill_hold_lets_a_short_prompt_wait_a_few_steps_while_rows_decode():
     """server.prefill_hold_steps: a prompt that fills little of the budget waits up to that many
     steps while rows decode, then runs; a prompt that fills the budget, or any prompt when
     nothing decodes, runs at once; 0 (the default) never waits."""
-    from mpinfer.engine.blocks import BlockManager
-    from mpinfer.engine.engine import Engine
-    from mpinfer.engine.request import Request, Sequence
-    from mpinfer.engine.sampling import SamplingParams
-
-    def engine(hold: int, budget: int = 64) -> Engine:
-        e = Engine.__new__(Engine)  # _plan reads only these
-        e.running, e.max_prefill_tokens, e.prefill_hold_steps, e.held = {}, budget, hold, 0
-        e.blocks = BlockManager(1000, 16, blocks_per_row=16)
-        return e
+    from mpinfer.engine.request import Sequence
 
     def seq(slot: int, prompt: int, decoding: bool) -> Sequence:
-        s = Sequence(Request(list(range(4, 4 + prompt)), SamplingParams(max_new_tokens=50),
-                             lambda ev: None), slot, None)  # fmt: skip
+        s = Sequence(_request(prompt), slot, None)
         if decoding:
             s.prompt_left, s.pos, s.scheduled = [], prompt, 1
         return s
 
-    def prefill_steps(e: Engine, steps: int) -> list[int]:
-        return [sum(len(p.tokens) for p in e._plan()[0].prefills) for _ in range(steps)]
+    def prefill_steps(sched, steps: int) -> list[int]:
+        return [sum(len(p.tokens) for p in sched.schedule().step.prefills) for _ in range(steps)]
 
     for hold in (0, 2, 5):
-        e = engine(hold)
-        e.running = {0: seq(0, 5, True), 1: seq(1, 7, True), 2: seq(2, 10, False)}
-        assert prefill_steps(e, hold + 2) == [0] * hold + [10, 0]
-    e = engine(3)  # a prompt at least the budget: at once, and its rest without waiting
-    e.running = {0: seq(0, 5, True), 1: seq(1, 100, False)}
-    assert prefill_steps(e, 3) == [64, 36, 0]
-    e = engine(3)  # nothing decodes: no reason to wait
-    e.running = {1: seq(1, 10, False)}
-    assert prefill_steps(e, 1) == [10]
+        sched = _scheduler(hold)
+        sched.running = {0: seq(0, 5, True), 1: seq(1, 7, True), 2: seq(2, 10, False)}
+        assert prefill_steps(sched, hold + 2) == [0] * hold + [10, 0]
+    sched = _scheduler(3)  # a prompt at least the budget: at once, and its rest without waiting
+    sched.running = {0: seq(0, 5, True), 1: seq(1, 100, False)}
+    assert prefill_steps(sched, 3) == [64, 36, 0]
+    sched = _scheduler(3)  # nothing decodes: no reason to wait
+    sched.running = {1: seq(1, 10, False)}
+    assert prefill_steps(sched, 1) == [10]
+
+
+def test_the_scheduler_admits_plans_preempts_and_gives_rows_back_with_no_model():
+    """Admission into free rows (the pool's blocks permitting), the plan of prompt chunks and
+    decode rows, preemption of the newest sequence when a decode needs a block and none is
+    left, the preempted one admitted first (before anything queued) once there is room, and a
+    cancelled queued request reported, not admitted."""
+    sched = _scheduler(rows=2, budget=100, blocks=7)  # 7 blocks of 16 tokens, 1 kept back
+    a, b, c = _request(40), _request(40), _request(5)
+    sched.pending.extend([a, b, c])
+    plan = sched.schedule()
+    # Two rows: a and b admitted (3 blocks each, one left), c waits for a row.
+    assert [s.req for s in plan.admitted] == [a, b] and list(sched.pending) == [c]
+    assert [len(p.tokens) for p in plan.step.prefills] == [40, 40]
+    assert [(s.req, i) for s, i in plan.rows] == [(a, 0), (b, 0)]  # both sample a first token
+    for s, _ in plan.rows:  # as the engine does when a token comes back
+        s.result.token_ids.append(7)
+    # Decoding: positions 40..47 fit their third block; position 48 needs a fourth each: b
+    # (the newer) is preempted for a.
+    for _ in range(8):
+        plan = sched.schedule()
+        assert plan.step.decode_slots == (0, 1) and not plan.preempted
+        for s, _ in plan.rows:
+            s.result.token_ids.append(7)
+    plan = sched.schedule()
+    assert [s.req for s in plan.preempted] == [b] and plan.step.decode_slots == (0,)
+    assert sched.preempted[0].req is b and len(sched.free) == 1
+    for s, _ in plan.rows:
+        s.result.token_ids.append(7)
+    c.cancelled = True
+    plan = sched.schedule()
+    # b comes back first (before anything queued), its prompt's two full blocks found in the
+    # prefix cache: only the rest of its prompt and what it generated is recomputed. c, cancelled
+    # while queued, is reported and never admitted.
+    assert [s.req for s in plan.admitted] == [b] and plan.cancelled == [c] and not sched.pending
+    chunk = plan.step.prefills[0]
+    assert chunk.start == 32 and len(chunk.tokens) == 40 + 9 - 32
+    sched.leave(sched.running[0])  # a ends: its row goes back
+    assert sched.free == [0]
+
+
+def test_one_stop_check_decides_every_ending():
+    """stop_reason: EOS (unless ignore_eos), stop strings and stop ids (after min_tokens),
+    max_new_tokens, in that order; wants_token is the length rule the scheduler plans with."""
+    from mpinfer.engine.request import stop_reason, wants_token
+    from mpinfer.engine.sampling import SamplingParams
+
+    p = SamplingParams(max_new_tokens=5, stop_token_ids=(9,), min_tokens=2)
+    assert stop_reason(2, 1, p, 2, False) == "eos"
+    assert stop_reason(2, 5, p, 2, False) == "eos"  # EOS wins over the length
+    assert stop_reason(9, 2, p, 2, False) == "" and stop_reason(9, 3, p, 2, False) == "stop"
+    assert stop_reason(4, 3, p, 2, True) == "stop"
+    assert stop_reason(4, 4, p, 2, False) == "" and stop_reason(4, 5, p, 2, False) == "length"
+    ignore = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    assert stop_reason(2, 1, ignore, 2, False) == ""
+    assert wants_token(4, p) and not wants_token(5, p)

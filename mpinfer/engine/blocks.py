@@ -14,7 +14,7 @@ full blocks of earlier prompts can be reused (prefix caching).
 A block is registered in the prefix cache once the step that fills it has been launched: steps
 run in order on every rank, so a later step that reuses it reads what that one wrote. A request
 that asks for prompt log-probabilities computes its whole prompt (they come from the forward).
-What is not here: when to admit or preempt (engine.py), the cache tensors (attention.py).
+What is not here: when to admit or preempt (scheduler.py), the cache tensors (attention.py).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """The generation engine on rank 0: a bounded queue, continuous batching over the KV cache's
 blocks, and a step loop that keeps the GPU busy.
 
-Each step rank 0 admits queued requests into free rows and KV blocks, picks which rows decode
-one token and which prefill the next chunk of their prompt (at most `max_prefill_tokens` prompt
-tokens a step, so a long prompt does not stall running decodes), preempting the newest sequence
-when the blocks run out (all of that is scheduler.py, which Engine extends), sends that `Step` to
-the other ranks, runs it (runner.py) and samples every row in one batched pass (sampling.py).
+Each step the engine's `Scheduler` (scheduler.py, an object it holds) admits queued requests
+into free rows and KV blocks, picks which rows decode one token and which prefill the next chunk
+of their prompt (at most `max_prefill_tokens` prompt tokens a step, so a long prompt does not
+stall running decodes), preempting the newest sequence when the blocks run out, and returns
+that plan; the engine sends its `Step` to the other ranks, runs it (runner.py) and samples
+every row in one batched pass (sampling.py).
 The step's results come back to the host one step late: while the GPU runs step n+1, the host
 turns step n's tokens into text, checks stop conditions and hands events to each request's sink.
 A step never waits for the previous one's tokens: decode inputs stay on the device. The price: a
@@ -34,7 +35,18 @@ import torch
 
 from ..dist import DistContext
 from ..model.memory import PROMPT_LOGPROB_ROWS, decode_buckets
-from .request import EngineFailed, Event, InFlight, QueueFull, Request, Sequence, notify
+from .blocks import BlockManager
+from .request import (
+    EngineFailed,
+    Event,
+    InFlight,
+    QueueFull,
+    Request,
+    Result,
+    Sequence,
+    notify,
+    stop_reason,
+)
 from .runner import ModelRunner
 from .sampling import MAX_TOP_N, Row, Sampler, SamplingParams, prompt_token_logprobs
 from .scheduler import Scheduler
@@ -43,7 +55,7 @@ from .step import FIT, IDLE, STOP, Step
 log = logging.getLogger("mpinfer")
 
 
-class Engine(Scheduler):
+class Engine:
     def __init__(
         self, runner: ModelRunner, ctx: DistContext, tokenizer, *, max_queue: int = 128,
         max_prefill_tokens: int = 512, heartbeat_s: float = 1.0, prefill_hold_steps: int = 0,
@@ -57,11 +69,15 @@ class Engine(Scheduler):
         self.max_seq, self.max_queue = runner.max_seq, max_queue
         assert max_prefill_tokens <= runner.max_prefill_tokens, "the step channel is too small"
         self.max_prefill_tokens, self.heartbeat_s = max_prefill_tokens, heartbeat_s
-        self.prefill_hold_steps, self.held = prefill_hold_steps, 0
         self.channel = runner.channel
+        self.prefix_caching = prefix_caching
         self.sampler = Sampler(slots=runner.slots, vocab_size=self.vocab_size,
                                eos_token_id=self.eos, device=runner.device)  # fmt: skip
-        Scheduler.__init__(self, runner, prefix_caching=prefix_caching)
+        self.scheduler = Scheduler(self._block_manager(), rows=runner.slots,
+                                   max_prefill_tokens=max_prefill_tokens,
+                                   new_sequence=lambda req: Sequence(req, -1, self.tok),
+                                   prefill_hold_steps=prefill_hold_steps)  # fmt: skip
+        self.cond = self.scheduler.cond  # the one lock of the queue and the rows
         self.steps = 0
         self.generated_tokens = 0
         self.failed_requests = 0
@@ -85,8 +101,9 @@ class Engine(Scheduler):
                 f"({params.max_new_tokens}) = {len(prompt_ids) + params.max_new_tokens} exceeds "
                 f"max_seq_len={self.max_seq}"
             )
-        total, bs = self.blocks.pool.num_blocks, self.blocks.block_size
-        if self.blocks.blocks_for(len(prompt_ids) + params.max_new_tokens) > total:
+        blocks = self.scheduler.blocks
+        total, bs = blocks.pool.num_blocks, blocks.block_size
+        if blocks.blocks_for(len(prompt_ids) + params.max_new_tokens) > total:
             raise ValueError(
                 f"max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens "
                 f"({params.max_new_tokens}) needs more than the whole KV cache ({total} blocks "
@@ -103,7 +120,7 @@ class Engine(Scheduler):
 
     def submit_all(self, jobs: list[tuple[list[int], SamplingParams, Callable]]) -> list[Request]:
         """One client request's jobs, queued together or not at all; admission shares the slots
-        fairly between such groups (`_admit`)."""
+        fairly between such groups (scheduler.py)."""
         reqs = []
         for prompt_ids, params, sink in jobs:
             self.check(prompt_ids, params)
@@ -113,13 +130,14 @@ class Engine(Scheduler):
         with self.cond:
             if self.failed or self.stopping:
                 raise EngineFailed(self.failed or "the server is shutting down")
-            if len(self.pending) + len(reqs) > self.max_queue:
+            pending = self.scheduler.pending
+            if len(pending) + len(reqs) > self.max_queue:
                 need = f"; this request needs {len(reqs)} places" if len(reqs) > 1 else ""
-                raise QueueFull(f"the request queue is full ({len(self.pending)} of "
+                raise QueueFull(f"the request queue is full ({len(pending)} of "
                                 f"{self.max_queue} waiting{need})")  # fmt: skip
             for r in reqs:
                 r.group = reqs[0].id
-            self.pending.extend(reqs)
+            pending.extend(reqs)
             self.cond.notify()
         return reqs
 
@@ -131,7 +149,7 @@ class Engine(Scheduler):
     def cancel_all(self) -> None:
         """Cancel every queued and running request (shutdown past its timeout)."""
         with self.cond:
-            for req in list(self.pending) + [s.req for s in self.live()]:
+            for req in list(self.scheduler.pending) + [s.req for s in self.live()]:
                 req.cancelled = True
             self.cond.notify()
 
@@ -143,21 +161,26 @@ class Engine(Scheduler):
     def stalled_for(self) -> float:
         """Seconds since the last completed step while work is pending (0 when idle): a rank
         that stopped (SIGSTOP, a hung collective) shows here long before the group's timeout."""
-        if not (self.pending or self.running or self.preempted):
+        if not self.scheduler.busy:
             return 0.0
         return time.monotonic() - self.progress_at
 
     def live(self) -> list[Sequence]:
         """Every started sequence: in the cache or preempted."""
-        return list(self.running.values()) + self.preempted
+        return self.scheduler.live()
 
     @property
     def queue_depth(self) -> int:
-        return len(self.pending) + len(self.preempted)
+        return len(self.scheduler.pending) + len(self.scheduler.preempted)
 
     @property
     def running_slots(self) -> int:
-        return len(self.running)
+        return len(self.scheduler.running)
+
+    def _block_manager(self) -> BlockManager:
+        r = self.runner
+        return BlockManager(r.num_blocks, r.block_size, blocks_per_row=r.blocks_per_row,
+                            prefix_caching=self.prefix_caching)  # fmt: skip
 
     # -- rank 0's engine thread ------------------------------------------------------------------
     def warm_up(self) -> None:
@@ -193,7 +216,7 @@ class Engine(Scheduler):
             return
         self.channel.send(Step(FIT))
         self.runner.fit_cache()
-        self.reset_blocks(self.runner)
+        self.scheduler.reset(self._block_manager())
 
     def run(self, *, until_idle: bool = False, stop_ranks: bool = True) -> None:
         """Serve until stop() (or, with until_idle, until nothing is queued or running); then
@@ -202,18 +225,15 @@ class Engine(Scheduler):
         try:
             while True:
                 with self.cond:
-                    busy = self.pending or self.running or self.preempted
-                    if not (busy or self.stopping or inflight):
+                    if not (self.scheduler.busy or self.stopping or inflight):
                         if until_idle:
                             break
                         self.cond.wait(self.heartbeat_s)
                         self.progress_at = time.monotonic()
-                        if not (self.pending or self.running or self.preempted
-                                or self.stopping):  # fmt: skip
+                        if not (self.scheduler.busy or self.stopping):
                             self.channel.send(Step(IDLE))  # keep the other ranks' waits short
                             continue
-                    busy = self.pending or self.running or self.preempted
-                    if self.stopping and not (busy or inflight):
+                    if self.stopping and not (self.scheduler.busy or inflight):
                         break
                 launched = self._launch_next()
                 if inflight is not None:
@@ -230,10 +250,11 @@ class Engine(Scheduler):
     def _fail(self, error: str) -> None:
         with self.cond:
             self.failed = error
-            reqs = list(self.pending) + [s.req for s in self.live()]
-            self.pending.clear()
-            self.running.clear()
-            self.preempted.clear()
+            sched = self.scheduler
+            reqs = list(sched.pending) + [s.req for s in self.live()]
+            sched.pending.clear()
+            sched.running.clear()
+            sched.preempted.clear()
         log.error("engine failed: %s", error)
         for req in reqs:
             notify(req, Event("error", error=error))
@@ -242,15 +263,20 @@ class Engine(Scheduler):
         """Admit, plan, send and launch the next step (None: nothing to run now)."""
         for s in [s for s in self.live() if s.req.cancelled]:
             self._finish(s, "cancelled")
-        self._admit()
-        step, rows, ends = self._plan()
-        if not (step.decode_slots or step.prefills):
+        plan = self.scheduler.schedule()
+        for req in plan.cancelled:
+            self._finish_unstarted(req)
+        for s in plan.admitted:  # the sampler's history: the prompt and what it generated
+            self.sampler.admit(s.slot, s.req.prompt_ids, s.req.params,
+                               generated=s.result.token_ids)  # fmt: skip
+        if plan.empty:
             return None
-        step = dataclasses.replace(step, table=self.blocks.take_updates())
+        rows, ends = plan.rows, plan.ends
+        step = dataclasses.replace(plan.step, table=self.scheduler.blocks.take_updates())
         self.channel.send(step)
         self.steps += 1
         prompt = []
-        pf_seqs = [self.running[p.slot] for p in step.prefills]
+        pf_seqs = [self.scheduler.running[p.slot] for p in step.prefills]
 
         def on_prompt_logits(i: int, offset: int, logits, targets) -> None:
             s = pf_seqs[i]
@@ -330,15 +356,7 @@ class Engine(Scheduler):
             r.top_logprobs.append(list(top))
         self.generated_tokens += 1
         text = s.stream.add(token)
-        params = s.req.params
-        reason = ""
-        if token == self.eos and not params.ignore_eos:  # (the sampler blocks it < min_tokens)
-            reason = "eos"
-        elif s.stream.stopped or (token in params.stop_token_ids
-                                   and len(r.token_ids) > params.min_tokens):  # fmt: skip
-            reason = "stop"
-        elif len(r.token_ids) >= params.max_new_tokens:
-            reason = "length"
+        reason = stop_reason(token, len(r.token_ids), s.req.params, self.eos, s.stream.stopped)
         r.last_step = step_index
         if reason:
             text += s.stream.finish()  # the last token event carries all remaining text
@@ -354,9 +372,15 @@ class Engine(Scheduler):
             tail = s.stream.finish()  # non-empty only for a cancelled request
         r.text, r.finish_reason = s.stream.text, reason
         r.latency_s = time.perf_counter() - s.req.arrival
-        self._leave(s)
+        self.scheduler.leave(s)
         if reason == "error":
             self.failed_requests += 1
             notify(s.req, Event("error", error=error, result=r))
         else:
             notify(s.req, Event("done", text=tail, result=r))
+
+    def _finish_unstarted(self, req: Request) -> None:
+        """A queued request cancelled before it took a row."""
+        result = Result(list(req.prompt_ids), finish_reason="cancelled", seed=req.params.seed)
+        result.latency_s = time.perf_counter() - req.arrival
+        notify(req, Event("done", result=result))

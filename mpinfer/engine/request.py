@@ -6,8 +6,9 @@
     QueueFull, EngineFailed   the two refusals of Engine.submit (HTTP 429, 503)
     Sequence  a request in a cache slot (rank 0's bookkeeping)
     InFlight  a launched engine step whose results have not been read yet
+    wants_token, stop_reason   the length rule and the one stop check (pure functions)
 
-What is not here: how requests are scheduled (engine.py).
+What is not here: how requests are scheduled (scheduler.py).
 """
 
 from __future__ import annotations
@@ -107,8 +108,26 @@ class Sequence:
 
     @property
     def decodable(self) -> bool:
-        return (not self.done and not self.prompt_left and 0 < self.scheduled
-                < self.req.params.max_new_tokens)  # fmt: skip
+        return (not self.done and not self.prompt_left and self.scheduled > 0
+                and wants_token(self.scheduled, self.req.params))  # fmt: skip
+
+
+def wants_token(count: int, params) -> bool:
+    """The length rule, in one place: a sequence with `count` tokens generated (or planned) may
+    have another while it is under max_new_tokens."""
+    return count < params.max_new_tokens
+
+
+def stop_reason(token: int, count: int, params, eos: int, stopped_by_text: bool) -> str:
+    """Why a sequence ends with `token`, its `count`-th generated token ("" if it goes on): its
+    EOS ("eos", unless ignore_eos; the sampler holds EOS back before min_tokens), a stop string
+    the detokenizer found or a stop token id past min_tokens ("stop"), max_new_tokens
+    ("length"). A pure function of its arguments: the engine's only stop check."""
+    if token == eos and not params.ignore_eos:
+        return "eos"
+    if stopped_by_text or (token in params.stop_token_ids and count > params.min_tokens):
+        return "stop"
+    return "" if wants_token(count, params) else "length"
 
 
 @dataclass

@@ -45,6 +45,7 @@ from .step import FIT, STEP, STOP, CacheFit, Prefill, Step, StepChannel
 
 log = logging.getLogger("mpinfer")
 
+
 def step_buckets(slots: int, max_prefill_tokens: int) -> list[int]:
     """Token counts with a captured step graph: the decode buckets (powers of two up to the
     slots, and the slots), then powers of two up to one step's most tokens (every slot decoding

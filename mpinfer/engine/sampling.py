@@ -160,7 +160,7 @@ class Needs:
 
 
 def row_table(rows: list[Row], vocab_size: int) -> tuple[torch.Tensor, Needs]:
-    """(n, 10) float64 on the host: each row's parameters, neutral values where unused; and
+    """(n, 11) float64 on the host: each row's parameters, neutral values where unused; and
     what the batch needs."""
     table = []
     for r in rows:

@@ -1,18 +1,24 @@
 """What rank 0's engine runs next: admission into the KV cache's rows and blocks, preemption
-when the blocks run out, and the plan of each step.
+when the blocks run out, and the plan of each step. An object the engine holds, built from what
+it needs (a block manager, the rows, the prompt budget, how to make a sequence); it knows no
+model, no sampler and no threads beyond its lock, so its tests need none.
 
-    admit    preempted sequences first (oldest first), then queued jobs, while a row is free and
-             the pool has blocks for the whole prompt (its cached prefix reused, blocks.py);
-             between client requests fairly: the next row goes to the group (one request's
-             prompts x n x best_of) with the fewest jobs running
-    plan     every sequence past its prompt decodes one token (a new block when it crosses a
-             block boundary); the prompts' next chunks fill up to `max_prefill_tokens`
-    preempt  when a decode needs a block and none is left, the newest sequence leaves the cache
-             (its blocks go back) and is admitted again later, recomputing its prompt and what it
-             generated as one prompt; its answer is the same, only later
+    schedule()  admit, then plan: returns a `StepPlan` (the step, the rows it samples, the
+                requests it ends, the sequences admitted, those preempted, the queued requests
+                cancelled before they started); the engine runs the step and hands the results
+                back to the sequences
+    admit       preempted sequences first (oldest first), then queued jobs, while a row is free
+                and the pool has blocks for the whole prompt (its cached prefix reused,
+                blocks.py); between client requests fairly: the next row goes to the group (one
+                request's prompts x n x best_of) with the fewest jobs running
+    plan        every sequence past its prompt decodes one token (a new block when it crosses a
+                block boundary); the prompts' next chunks fill up to `max_prefill_tokens`
+    preempt     when a decode needs a block and none is left, the newest sequence leaves the
+                cache (its blocks go back) and is admitted again later, recomputing its prompt
+                and what it generated as one prompt; its answer is the same, only later
 
-`Engine` (engine.py) is a Scheduler: it adds the threads, the step loop, sampling and results.
-What is not here: the blocks' bookkeeping (blocks.py), running a step (runner.py).
+What is not here: the blocks' bookkeeping (blocks.py), running a step (runner.py), when a
+sequence stops (request.py's `stop_reason`, `wants_token`).
 """
 
 from __future__ import annotations
@@ -20,38 +26,70 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from .blocks import BlockManager
-from .request import Event, Request, Result, Sequence, notify
-from .runner import ModelRunner
+from .request import Request, Sequence, wants_token
 from .step import STEP, Prefill, Step
 
 log = logging.getLogger("mpinfer")
 
 
+@dataclass
+class StepPlan:
+    """One step and what it changed: `rows` (sequence, token index) in the order the runner
+    returns their logits (decode rows, then each sampling prefill); `ends` the requests whose
+    last planned work is in this step (prompt log-probabilities only); `admitted` the sequences
+    that took a row (preempted ones coming back included); `preempted` those that left the
+    cache; `cancelled` queued requests cancelled before they started."""
+
+    step: Step
+    rows: list[tuple[Sequence, int]] = field(default_factory=list)
+    ends: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    cancelled: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.step.decode_slots or self.step.prefills)
+
+
 class Scheduler:
-    def __init__(self, runner: ModelRunner, *, prefix_caching: bool = True):
-        self.free = list(range(runner.slots))
-        self.prefix_caching = prefix_caching
-        self.reset_blocks(runner)
+    def __init__(self, blocks: BlockManager, *, rows: int, max_prefill_tokens: int,
+                 new_sequence: Callable[[Request], Sequence],
+                 prefill_hold_steps: int = 0):  # fmt: skip
+        self.blocks, self.new_sequence = blocks, new_sequence
+        self.free = list(range(rows))
+        self.max_prefill_tokens, self.prefill_hold_steps = max_prefill_tokens, prefill_hold_steps
+        self.held = 0  # steps the waiting prompts have been held back (prefill_hold_steps)
         self.running: dict[int, Sequence] = {}
         self.preempted: list[Sequence] = []  # out of the cache, to be admitted again first
         self.pending: collections.deque[Request] = collections.deque()
         self.cond = threading.Condition()
 
-    def reset_blocks(self, runner: ModelRunner) -> None:
-        """The block bookkeeping of the runner's KV pool, empty (nothing may be running)."""
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size,
-                                   blocks_per_row=runner.blocks_per_row,
-                                   prefix_caching=self.prefix_caching)  # fmt: skip
+    @property
+    def busy(self) -> bool:
+        return bool(self.pending or self.running or self.preempted)
 
-    def _admit(self) -> None:
+    def live(self) -> list[Sequence]:
+        """Every started sequence: in the cache or preempted."""
+        return list(self.running.values()) + self.preempted
+
+    def schedule(self) -> StepPlan:
+        """The next step: admissions, then the plan (see the module docstring)."""
+        plan = StepPlan(Step(STEP))
+        self._admit(plan)
+        self._plan(plan)
+        return plan
+
+    def _admit(self, plan: StepPlan) -> None:
         """Preempted sequences first (oldest first), then queued jobs, into free rows while the
         pool has blocks for their prompts; queued jobs fairly between client requests: the next
-        row goes to the group (one request's prompts x n x best_of) with the fewest jobs
-        running, the earliest first among equals; one request's fan-out cannot hold back
-        another's. Whoever is next and does not fit waits, and so does everyone behind it."""
+        row goes to the group with the fewest jobs running, the earliest first among equals; one
+        request's fan-out cannot hold back another's. Whoever is next and does not fit waits,
+        and so does everyone behind it."""
         with self.cond:
             while self.preempted and self.free:
                 s = self.preempted[0]
@@ -60,28 +98,27 @@ class Scheduler:
                 if not self._place(s, s.tokens()):
                     return
                 self.preempted.pop(0)
-                self.sampler.admit(s.slot, s.req.prompt_ids, s.req.params,
-                                   generated=s.result.token_ids)  # fmt: skip
+                plan.admitted.append(s)
             if self.preempted:
                 return
             running = collections.Counter(s.req.group for s in self.running.values())
             waiting: dict[int, collections.deque] = {}
             for req in self.pending:
                 if req.cancelled:
-                    self._finish_unstarted(req)
+                    plan.cancelled.append(req)
                 else:
                     waiting.setdefault(req.group, collections.deque()).append(req)
             while self.free and waiting:
                 group = min(waiting, key=lambda g: (running[g], g))
                 req = waiting[group][0]
-                s = Sequence(req, -1, self.tok)
+                s = self.new_sequence(req)
                 if not self._place(s, req.prompt_ids):
                     break
                 waiting[group].popleft()
                 if not waiting[group]:
                     del waiting[group]
                 running[group] += 1
-                self.sampler.admit(s.slot, req.prompt_ids, req.params)
+                plan.admitted.append(s)
             admitted = {id(s.req) for s in self.running.values()}
             self.pending = collections.deque(
                 r for r in self.pending if not r.cancelled and id(r) not in admitted
@@ -95,7 +132,7 @@ class Scheduler:
         self.running[s.slot] = s
         return True
 
-    def _preempt(self, s: Sequence) -> None:
+    def _preempt(self, s: Sequence, plan: StepPlan) -> None:
         """Out of the cache to make room: its blocks go back, and it is admitted again (before
         anything queued) to recompute its prompt and what it generated, then goes on."""
         self.blocks.release(s)
@@ -107,32 +144,27 @@ class Scheduler:
             s.slot = -1
             self.preempted.append(s)
             self.preempted.sort(key=lambda q: q.req.id)
+        plan.preempted.append(s)
         log.info("request %d preempted (KV cache full), %d tokens to recompute", s.req.id,
                  len(s.tokens()))  # fmt: skip
 
-    def _finish_unstarted(self, req: Request) -> None:
-        result = Result(list(req.prompt_ids), finish_reason="cancelled", seed=req.params.seed)
-        result.latency_s = time.perf_counter() - req.arrival
-        notify(req, Event("done", result=result))
-
-    def _plan(self) -> tuple[Step, list[tuple[Sequence, int]], list[Sequence]]:
-        """The next step, the rows it samples (sequence, token index), and the requests that
-        end with it (prompt log-probabilities only)."""
+    def _plan(self, plan: StepPlan) -> None:
+        """The step's decode rows and prompt chunks, and the rows it samples (in the order the
+        runner returns their logits: decode rows first, then the prefills)."""
         seqs = sorted(self.running.values(), key=lambda s: s.req.id)
-        rows, ends = [], []
         slots, positions = [], []
         for s in [s for s in seqs if s.decodable]:
             if s.slot < 0:  # preempted for an older one's block
                 continue
             while not self.blocks.grow(s, s.pos + 1):
-                self._preempt(max(self.running.values(), key=lambda q: q.req.id))
+                self._preempt(max(self.running.values(), key=lambda q: q.req.id), plan)
                 if s.slot < 0:
                     break
             if s.slot < 0:
                 continue
             slots.append(s.slot)
             positions.append(s.pos)
-            rows.append((s, s.scheduled))
+            plan.rows.append((s, s.scheduled))
             s.pos += 1
             s.scheduled += 1
         prefills, budget = [], self.max_prefill_tokens
@@ -152,7 +184,7 @@ class Scheduler:
             chunk = s.prompt_left[: max(budget, 1)]
             last = len(chunk) == len(s.prompt_left)
             params = s.req.params
-            sample = last and s.scheduled < params.max_new_tokens
+            sample = last and wants_token(s.scheduled, params)
             prefills.append(Prefill(s.slot, s.pos, tuple(chunk), sample, params.prompt_logprobs,
                                     -1 if last else s.prompt_left[len(chunk)]))  # fmt: skip
             s.pos += len(chunk)
@@ -160,14 +192,13 @@ class Scheduler:
             budget -= len(chunk)
             self.blocks.commit(s, s.pos - len(chunk))
             if sample:
-                rows.append((s, s.scheduled))
+                plan.rows.append((s, s.scheduled))
                 s.scheduled += 1
             elif last:
-                ends.append(s)
-        # The runner returns decode rows first, then the prefills in order: so are `rows`.
-        return Step(STEP, tuple(slots), tuple(positions), tuple(prefills)), rows, ends
+                plan.ends.append(s)
+        plan.step = Step(STEP, tuple(slots), tuple(positions), tuple(prefills))
 
-    def _leave(self, s: Sequence) -> None:
+    def leave(self, s: Sequence) -> None:
         """A finished sequence gives back its row and blocks (or leaves the preempted list)."""
         with self.cond:
             if s.slot >= 0:
@@ -177,3 +208,8 @@ class Scheduler:
                 self.blocks.release(s)
             else:
                 self.preempted.remove(s)
+
+    def reset(self, blocks: BlockManager) -> None:
+        """A new block pool (nothing may be running: runner.fit_cache's)."""
+        assert not self.busy, "the KV pool changed under running sequences"
+        self.blocks = blocks

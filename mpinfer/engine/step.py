@@ -98,5 +98,3 @@ class StepChannel:
     def receive(self) -> Step:
         dist.broadcast(self.buf, src=0, group=self.ctx.weights_group)
         return decode_step_message(self.buf.tolist())
-
-

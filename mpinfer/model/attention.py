@@ -18,7 +18,8 @@ mix); only attention tells the rows apart. On a GPU it is three launches (kernel
 tokens (flash-decoding, seq -1 for rows that are not decode rows), `chunk_attention` the prompt
 chunks' query tiles. The reference (`attend_reference`, CPU and the tests' oracle) writes the
 same cache and runs each segment through SDPA with BLOOM's ALiBi bias and a causal mask. What is
-not here: building a batch from a step (runner.py), the blocks' owners (engine.py).
+not here: building a batch from a step (runner.py), the blocks' owners (blocks.py,
+scheduler.py).
 """
 
 from __future__ import annotations

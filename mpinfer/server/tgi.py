@@ -23,20 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from ..engine.sampling import MAX_TOP_N
-from .api import (
-    ApiError,
-    Body,
-    Count,
-    Job,
-    Parsed,
-    SamplingFields,
-    check_params,
-    nth_seed,
-    read_json,
-    sampling_params,
-    tgi_error,
-    validate,
-)
+from . import api
 from .streams import State, Submission
 
 STATUS = 422
@@ -44,13 +31,13 @@ FINISH = {"eos": "eos_token", "length": "length", "stop": "stop_sequence", "canc
 MAX_BEST_OF = 8
 
 
-class TgiParameters(SamplingFields):
-    max_new_tokens: Count | None = None
+class TgiParameters(api.SamplingFields):
+    max_new_tokens: api.Count | None = None
     do_sample: bool | None = None
     details: bool = False
     return_full_text: bool = False
     decoder_input_details: bool = False  # every prompt token's log-probability
-    truncate: Count | None = None  # keep only the prompt's last tokens
+    truncate: api.Count | None = None  # keep only the prompt's last tokens
     top_n_tokens: int = Field(0, ge=0, le=MAX_TOP_N)
     best_of: int = Field(1, ge=1, le=MAX_BEST_OF)
     watermark: Literal[False] = False  # accepted for TGI's clients, which send false
@@ -58,17 +45,10 @@ class TgiParameters(SamplingFields):
     adapter_id: None = Field(None, description="not supported")
 
 
-class TgiRequest(Body):
+class TgiRequest(api.Body):
     inputs: str = Field(min_length=1)
     parameters: TgiParameters = TgiParameters()
     stream: bool = False
-
-
-class TgiToken(BaseModel):
-    id: int
-    text: str
-    logprob: float | None
-    special: bool
 
 
 class TgiResponse(BaseModel):
@@ -83,32 +63,32 @@ class TgiError(BaseModel):
     field: str = ""
 
 
-def parse_tgi(body: bytes, state: State, *, stream: bool | None) -> Parsed:
-    data = read_json(body, STATUS)
-    r = validate(TgiRequest, data, STATUS)
+def parse_tgi(body: bytes, state: State, *, stream: bool | None) -> api.Parsed:
+    data = api.read_json(body, STATUS)
+    r = api.validate(TgiRequest, data, STATUS)
     f = r.parameters
     options = {"details": f.details, "return_full_text": f.return_full_text,
                "decoder_input_details": f.decoder_input_details}  # fmt: skip
-    params = sampling_params(f, state.cfg.generation, max_new_key="max_new_tokens",
+    params = api.sampling_params(f, state.cfg.generation, max_new_key="max_new_tokens",
                              max_new=f.max_new_tokens, sample_default=False, names={},
                              status=STATUS, prefix="parameters.")  # fmt: skip
     params = dataclasses.replace(params, top_n=f.top_n_tokens,
                                  prompt_logprobs=f.top_n_tokens if f.decoder_input_details
                                  else -1)  # fmt: skip
-    check_params(params, STATUS, "parameters.", {"top_n": "top_n_tokens"})
+    api.check_params(params, STATUS, "parameters.", {"top_n": "top_n_tokens"})
     stream = r.stream if stream is None else stream
     if f.best_of > 1:
         if params.greedy:
             fail("best_of", "best_of > 1 needs sampling (do_sample or a temperature)")
         if stream:
             fail("best_of", "best_of > 1 cannot be streamed")
-    jobs = tuple(Job(r.inputs, nth_seed(params, i), f.truncate) for i in range(f.best_of))
-    return Parsed(jobs, stream=stream, options={**options, "prompt": r.inputs,
+    jobs = tuple(api.Job(r.inputs, api.nth_seed(params, i), f.truncate) for i in range(f.best_of))
+    return api.Parsed(jobs, stream=stream, options={**options, "prompt": r.inputs,
                                                 "top_n": f.top_n_tokens})  # fmt: skip
 
 
 def fail(key: str, message: str):
-    raise ApiError(STATUS, f"parameters.{key}: {message}", field=f"parameters.{key}")
+    raise api.ApiError(STATUS, f"parameters.{key}: {message}", field=f"parameters.{key}")
 
 
 def token_json(state: State, token_id: int, text: str, logprob) -> dict:
@@ -120,7 +100,7 @@ def top_tokens(state: State, top) -> list[dict]:
     return [token_json(state, i, state.tokenizer.decode([i]), lp) for i, lp in top]
 
 
-def details(state: State, parsed: Parsed, ids, result, tokens) -> dict:
+def details(state: State, parsed: api.Parsed, ids, result, tokens) -> dict:
     out = {
         "finish_reason": FINISH.get(result.finish_reason, result.finish_reason),
         "generated_tokens": len(result.token_ids),
@@ -146,17 +126,17 @@ def make_router(state: State) -> APIRouter:
             sub = await Submission.create(
                 state, parsed.jobs, status=STATUS, names={"prompt": "inputs"}
             )
-        except ApiError as e:
+        except api.ApiError as e:
             state.count(request, e.status)
-            return JSONResponse(tgi_error(e), status_code=e.status)
+            return JSONResponse(api.tgi_error(e), status_code=e.status)
         state.count(request, 200)
         if parsed.stream:
             return StreamingResponse(stream_events(request, sub, parsed),
                                      media_type="text/event-stream")  # fmt: skip
         try:
             done = await sub.results(request)
-        except ApiError as e:
-            return JSONResponse(tgi_error(e), status_code=e.status)
+        except api.ApiError as e:
+            return JSONResponse(api.tgi_error(e), status_code=e.status)
         if done is None:  # the client went away
             return JSONResponse({}, status_code=499)
         prefix = parsed.options["prompt"] if parsed.options["return_full_text"] else ""
@@ -174,7 +154,7 @@ def make_router(state: State) -> APIRouter:
                 ]  # fmt: skip
         return JSONResponse([out] if request.url.path == "/" else out)
 
-    async def stream_events(request: Request, sub: Submission, parsed: Parsed):
+    async def stream_events(request: Request, sub: Submission, parsed: api.Parsed):
         held, index = None, 0  # one event behind: the last token carries generated_text
         prefix = parsed.options["prompt"] if parsed.options["return_full_text"] else ""
         try:
@@ -191,8 +171,8 @@ def make_router(state: State) -> APIRouter:
                          "generated_tokens": len(r.token_ids),
                          "seed": None if parsed.jobs[0].params.greedy else r.seed}  # fmt: skip
                 yield sse(event_json(last, index, prefix + r.text, final))
-        except ApiError as e:
-            yield sse(tgi_error(e))
+        except api.ApiError as e:
+            yield sse(api.tgi_error(e))
 
     def event_json(ev, index: int, text, final) -> dict:
         out = {"index": index, "token": token_json(state, ev.token_id, ev.text, ev.logprob),
