@@ -167,3 +167,45 @@ def test_chat_prompt_controls_tokenize_version_and_models(server):
     assert httpx.get(server.url + "/version").json()["version"]
     model = httpx.get(server.url + "/v1/models").json()["data"][0]
     assert model["root"] == model["id"]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end_or_start(server, tok):
+    """vLLM's truncate_prompt_tokens (with truncation_side): the prompt's last N tokens (or its
+    first N), for text and token-id prompts, and -1 as many as max_seq_len leaves beside
+    max_tokens; 0 and a side alone are refused by name."""
+    text = "the river and the king of the city walked past the old stone bridge"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > 6
+    base = {"prompt": text, "max_tokens": 2, "temperature": 0, "return_token_ids": True}
+    r = post(server, "/v1/completions", {**base, "truncate_prompt_tokens": 5})
+    assert r["choices"][0]["prompt_token_ids"] == ids[-5:] and r["usage"]["prompt_tokens"] == 5
+    r = post(server, "/v1/completions", {**base, "truncate_prompt_tokens": 5,
+                                         "truncation_side": "right"})  # fmt: skip
+    assert r["choices"][0]["prompt_token_ids"] == ids[:5]
+    r = post(server, "/v1/completions", {**base, "prompt": ids, "truncate_prompt_tokens": 3})
+    assert r["choices"][0]["prompt_token_ids"] == ids[-3:]
+    r = post(server, "/v1/completions", {**base, "truncate_prompt_tokens": -1})
+    assert r["choices"][0]["prompt_token_ids"] == ids  # it fits: nothing cut
+    for bad, field in (({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                       ({"truncation_side": "left"}, "truncation_side"),
+                       ({"truncate_prompt_tokens": 2, "truncation_side": "middle"},
+                        "truncation_side")):  # fmt: skip
+        got = httpx.post(server.url + "/v1/completions", json={**base, **bad}, timeout=30)
+        assert got.status_code == 400 and field in got.json()["error"]["message"], got.text
+
+
+def test_invocations_is_completions_or_chat_by_its_body(server):
+    """SageMaker's POST /invocations, as vLLM serves it: `messages` makes it a chat completion,
+    else a completion; the same answers as the routes themselves."""
+    done = post(server, "/invocations", GREEDY)
+    assert done["object"] == "text_completion"
+    same = post(server, "/v1/completions", GREEDY)
+    assert done["choices"][0]["text"] == same["choices"][0]["text"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    got = post(server, "/invocations", chat)
+    assert got["object"] == "chat.completion"
+    assert got["choices"][0]["message"] == post(server, "/v1/chat/completions",
+                                                chat)["choices"][0]["message"]  # fmt: skip
+    r = httpx.post(server.url + "/invocations", content=b"[1", timeout=30,
+                   headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 400 and "error" in r.json()

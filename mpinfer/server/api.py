@@ -41,7 +41,8 @@ class Job:
 
     prompt: str | list[int]
     params: SamplingParams
-    truncate: int | None = None  # keep only the prompt's last tokens (TGI's `truncate`)
+    truncate: int | None = None  # keep only this many of the prompt's tokens (TGI's `truncate`)
+    keep_start: bool = False  # ... its first ones instead of its last (vLLM's truncation_side)
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,10 @@ class OpenAIFields(SamplingFields):
     min_p: float = Field(0.0, ge=0, le=1)
     return_token_ids: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_N)
+    # vLLM: keep only this many prompt tokens (-1: as many as max_seq_len allows beside the
+    # answer), cut from the start ("left", the default) or the end ("right").
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=2**31)
+    truncation_side: Literal["left", "right"] | None = None
 
 
 class CompletionRequest(OpenAIFields):
@@ -209,11 +213,31 @@ def parse_completions(body: bytes, state: State) -> Parsed:
         fail("max_tokens", "0 generates nothing: it needs echo with logprobs (prompt scoring)")
     params = dataclasses.replace(params, top_n=logprobs or 0, prompt_logprobs=k)
     check_params(params, STATUS, "", NAMES)
-    jobs = tuple(Job(p, nth_seed(params, j)) for p in prompts for j in range(best_of))
+    cut, keep_start = truncation(r, state, params)
+    jobs = tuple(Job(p, nth_seed(params, j), cut, keep_start) for p in prompts
+                 for j in range(best_of))  # fmt: skip
     return Parsed(jobs, stream=r.stream, options={
         "n": n, "best_of": best_of, "echo": r.echo, "logprobs": logprobs, "usage": usage,
         "prompts": prompts, **extra,
     })  # fmt: skip
+
+
+def truncation(r: OpenAIFields, state: State, params) -> tuple[int | None, bool]:
+    """vLLM's truncate_prompt_tokens and truncation_side as a Job's (tokens kept, from the
+    start?): -1 keeps what max_seq_len leaves beside max_tokens; 0 would keep nothing."""
+    n = r.truncate_prompt_tokens
+    if n is None:
+        if r.truncation_side is not None:
+            fail("truncation_side", "needs truncate_prompt_tokens")
+        return None, False
+    if n == 0:
+        fail("truncate_prompt_tokens", "0 would leave no prompt: use -1 (what max_seq_len "
+             "allows) or a positive number")  # fmt: skip
+    if n == -1:
+        n = state.cfg.server.max_seq_len - params.max_new_tokens
+        if n < 1:
+            fail("truncate_prompt_tokens", f"-1 keeps max_seq_len - max_tokens = {n} tokens")
+    return n, r.truncation_side == "right"
 
 
 def vllm_options(r: OpenAIFields) -> dict:
@@ -271,7 +295,8 @@ def parse_chat(body: bytes, state: State) -> Parsed:
     except Exception as e:  # a template's own raise_exception, or any Jinja fault
         raise ApiError(STATUS, f"messages: the chat template refused them: {e}",
                        field="messages") from None  # fmt: skip
-    jobs = tuple(Job(prompt, nth_seed(params, j)) for j in range(r.n))
+    cut, keep_start = truncation(r, state, params)
+    jobs = tuple(Job(prompt, nth_seed(params, j), cut, keep_start) for j in range(r.n))
     return Parsed(jobs, stream=r.stream, options={"n": r.n, "logprobs": r.logprobs,
                                                   "usage": usage, "max_key": key,
                                                   **extra})  # fmt: skip

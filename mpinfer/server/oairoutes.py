@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .. import __version__
-from .api import ApiError, Parsed, finite, openai_error
+from .api import ApiError, Parsed, finite, openai_error, read_json
 from .oai import NAMES, STATUS, parse_chat, parse_completions
 from .streams import State, Submission, unix_time
 
@@ -274,6 +274,19 @@ def make_router(state: State) -> APIRouter:
 
         return openai_stream(chunks(), o, "chat.completion.chunk", cid, created, prompt_tokens,
                              lambda: generated[0])  # fmt: skip
+
+    @router.post("/invocations", openapi_extra={"x-mpinfer-body": "CompletionRequest"})
+    async def invocations(request: Request):
+        """SageMaker's route, as vLLM serves it: a body with `messages` is a chat completion,
+        any other a completion."""
+        try:
+            data = read_json(await request.body(), STATUS)
+        except ApiError as e:
+            return error(request, e)
+        if isinstance(data, dict) and "messages" in data:
+            return await respond(request, parse_chat, "chatcmpl", stream_chat, chat_body)
+        return await respond(request, parse_completions, "cmpl", stream_completions,
+                             completion_body)  # fmt: skip
 
     @router.get("/version")
     async def version():

@@ -279,8 +279,8 @@ def tokenize(state: State, jobs: tuple[Job, ...], status: int, names: dict) -> l
             # encode_batch releases the GIL while it works (encode holds it: a megabyte kept
             # every other thread, the event loop included, waiting 2 s on this machine).
             ids = state.tokenizer.encode_batch([ids], add_special_tokens=False)[0].ids
-            if job.truncate:
-                ids = ids[-job.truncate :]
+        if job.truncate:
+            ids = ids[: job.truncate] if job.keep_start else ids[-job.truncate :]
         out.append(list(ids))
     return out
 
