@@ -10,8 +10,8 @@ import threading
 
 import pytest
 import torch
-from mpinfer.engine.blocks import BlockManager, BlockPool, block_keys
 
+from mpinfer.engine.blocks import BlockManager, BlockPool, block_keys
 from mpinfer.engine.request import Request, Sequence
 from mpinfer.engine.sampling import SamplingParams
 
@@ -202,7 +202,8 @@ def test_shared_prefixes_are_computed_once_and_answers_equal_uncached(world):
     ref, plain = run_all(world, jobs, prefix=False, slots=1)
     got, cached = run_all(world, jobs, prefix=True, slots=1)  # one at a time: each finds it
     assert plain.scheduler.blocks.cached_tokens == 0
-    assert cached.scheduler.blocks.cached_tokens == 5 * 40  # every later job reuses the 5 full blocks
+    # every later job reuses the 5 full blocks
+    assert cached.scheduler.blocks.cached_tokens == 5 * 40
     for r, g in zip(ref, got, strict=True):
         assert g.token_ids == r.token_ids
         torch.testing.assert_close(g.logprobs, r.logprobs, rtol=0, atol=1e-4)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from safetensors import safe_open
@@ -161,3 +162,54 @@ def test_unfinished_shard_dir_is_named(sharded2, tmp_path):
     d = altered(sharded2, tmp_path / "unfinished", lambda d: (d / MANIFEST).unlink())
     proc = torchrun(2, ["launch/generate.py", "--model", str(d)], timeout=120)
     assert proc.returncode != 0 and "an unfinished `mpinfer shard`" in proc.stderr
+
+
+def test_a_model_directory_that_lies_is_refused_before_anything_is_allocated(ckpts, tmp_path):
+    """config.json that is a list, nested 100,000 deep, too large, or with absurd sizes; an
+    index pointing outside the directory; a safetensors header of 90 MB; a tokenizer.json that
+    is not JSON: each one clear error naming the file, never a traceback or a long load."""
+    import struct
+
+    from mpinfer.checkpoint.hf import CheckpointError, HFCheckpoint, read_config
+    from mpinfer.model.bloom import BloomShape
+    from mpinfer.startup.runtime import load_tokenizer
+
+    def model(name: str) -> Path:
+        d = tmp_path / name
+        shutil.copytree(ckpts["st_sharded"], d)
+        return d
+
+    bad = model("list")
+    (bad / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="holds a JSON list, not an object"):
+        read_config(bad)
+    (bad / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="cannot be read as JSON"):
+        read_config(bad)
+    (bad / "config.json").write_text(" " * (2 << 20))
+    with pytest.raises(CheckpointError, match="not a model config"):
+        read_config(bad)
+    cfg = json.loads((ckpts["st_sharded"] / "config.json").read_text())
+    for key, value in (("n_layer", 10**9), ("hidden_size", 2**40), ("vocab_size", 0),
+                       ("n_head", True)):  # fmt: skip
+        with pytest.raises(ValueError, match=f"{key}=.* must be an integer from 1 to"):
+            BloomShape.from_config({**cfg, key: value})
+    escape = model("escape")
+    index = json.loads((escape / "model.safetensors.index.json").read_text())
+    name = next(iter(index["weight_map"]))
+    index["weight_map"][name] = "../outside.safetensors"
+    (escape / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="not a file inside"):
+        HFCheckpoint(escape)
+    header = model("header")
+    shard = sorted(header.glob("model-*.safetensors"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(struct.pack("<Q", 90 << 20) + data[8:])
+    with pytest.raises(CheckpointError, match="safetensors header of 94,371,840 bytes"):
+        ckpt = HFCheckpoint(header)
+        for key in ckpt.files[shard]:
+            ckpt.shape(key.removeprefix("transformer."))
+    tok = model("tokenizer")
+    (tok / "tokenizer.json").write_text("not json")
+    with pytest.raises(ValueError, match="tokenizer.json is not a tokenizer file"):
+        load_tokenizer(str(tok))

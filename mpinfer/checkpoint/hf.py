@@ -25,6 +25,20 @@ from ..model.sharding import ShardSpec, specs_for
 
 # Larger than any real config.json (a few KB) by far; a bigger file is not one.
 MAX_CONFIG_BYTES = 1 << 20
+# A safetensors header lists its tensors: a BLOOM-176B shard's is a few hundred KB. A bigger one
+# would be parsed into memory before a single check (90 MB took 1.5 GB of RAM).
+MAX_HEADER_BYTES = 16 << 20
+
+
+def check_header(path: Path) -> None:
+    """Refuse a safetensors file whose header length is impossible, before it is parsed."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    size = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if not 0 < size <= MAX_HEADER_BYTES or size + 8 > path.stat().st_size:
+        raise CheckpointError(f"checkpoint file {path}: a safetensors header of {size:,} bytes "
+                              f"(at most {MAX_HEADER_BYTES:,}, within the file)")  # fmt: skip
+
 
 PREFIX = "transformer."
 # Tensors a BLOOM checkpoint may hold that the model does not use (the LM head is tied).
@@ -139,6 +153,7 @@ class HFCheckpoint:
             return handle
         try:
             if path.suffix == ".safetensors":
+                check_header(path)
                 handle = safe_open(str(path), framework="pt")
             else:
                 # mmap: tensors stay on disk until sliced; weights_only: no pickled code runs.

@@ -49,7 +49,10 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
     path = Path(model_dir) / "tokenizer.json"
     if not path.is_file():
         raise ValueError(f"{path} is missing: mpinfer needs the model's fast tokenizer file")
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises its own types for a bad file
+        raise ValueError(f"{path} is not a tokenizer file: {str(e)[:200]}") from None
 
 
 def default_params(cfg: RunConfig, **overrides) -> SamplingParams:
