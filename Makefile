@@ -3,11 +3,14 @@
 #   make test   install, run the test suite (what CI runs)
 # and two more for the demo model: `make serve` (the HTTP server) and `make repl`.
 PYTHON ?= python3
-# The CPU build by default; on a GPU host: make TORCH="torch==2.13.0 --index-url ..." install
+# From your pip index: PyPI's torch 2.13.0 on Linux is the CUDA build (CI's local index has the
+# CPU one); for the CPU build from PyPI's side write
+#   make TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" demo
 TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 DEMO := --nproc 2 --config configs/tiny-cpu.toml
+ARGS ?=  # more flags for `make serve` / `make repl`, e.g. ARGS="--port 8081"
 
 .PHONY: install demo serve repl test clean
 
@@ -46,10 +49,10 @@ demo: install out/tiny/config.json
 serve: install out/tiny/config.json
 	@echo "The demo model on http://127.0.0.1:8080 (Ctrl-C stops it). From another terminal:"
 	@echo "  curl -s 127.0.0.1:8080/generate --json '{\"inputs\": \"Hello\", \"parameters\": {\"max_new_tokens\": 16}}'"
-	$(BIN)/mpinfer serve $(DEMO)
+	$(BIN)/mpinfer serve $(DEMO) $(ARGS)
 
 repl: install out/tiny/config.json
-	$(BIN)/mpinfer repl $(DEMO)
+	$(BIN)/mpinfer repl $(DEMO) $(ARGS)
 
 test: $(VENV)/.test-extras
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q

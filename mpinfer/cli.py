@@ -30,7 +30,7 @@ from .model.bloom import BloomShape
 from .model.memory import COMMON_GPUS, GIB, plan_memory, plan_table, suggest, tp_sizes_for
 from .model.offloadplan import check_host_memory, plan_for_throughput, plan_offload, with_offload
 from .startup.launcher import Topology, add_launch_args, launch
-from .startup.runtime import default_params, load_tokenizer, run_rank, start
+from .startup.runtime import default_params, load_tokenizer, rank_config, run_rank, start
 
 # name -> ("module:function", one line for `mpinfer --help`)
 COMMANDS = {
@@ -157,10 +157,8 @@ def generate_parser() -> argparse.ArgumentParser:
 def generate_main(argv: list[str] | None = None) -> int:
     """Per-rank main of `launch/generate.py` (and of `mpinfer generate`)."""
     args = generate_parser().parse_args(argv)
-    try:
-        cfg = config_from_args(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    cfg = rank_config(args)
+    if cfg is None:
         return 2
 
     def work(ctx):

@@ -166,11 +166,15 @@ def gather_objects(obj: Any, ctx: DistContext) -> list[Any] | None:
     return out
 
 
+class SharedError(ValueError):
+    """A user error rank 0 found and every rank raises (raise_everywhere): rank 0 says it."""
+
+
 def raise_everywhere(error: str | None, ctx: DistContext) -> None:
     """Rank 0 found (or did not find) a user error; every rank raises it, so none waits forever."""
     error = broadcast_object(error, ctx)
     if error:
-        raise ValueError(error)
+        raise SharedError(error)
 
 
 def torchrun_command(nproc: int, args: list[str]) -> list[str]:

@@ -37,10 +37,10 @@ from pathlib import Path
 
 import httpx
 
-from .config import add_config_args, config_from_args, load_config
+from .config import add_config_args, load_config
 from .engine.sampling import SamplingParams
 from .startup.launcher import add_launch_args
-from .startup.runtime import default_params, run_rank, start
+from .startup.runtime import default_params, rank_config, run_rank, start
 
 HELP = """commands:
   /set key=value   temperature, top_k, top_p, typical_p, repetition_penalty, max_new_tokens,
@@ -346,10 +346,8 @@ def repl_main(argv: list[str] | None = None) -> int:
             return run_repl(backend, defaults, term)
         finally:
             term.close()
-    try:
-        cfg = config_from_args(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    cfg = rank_config(args)
+    if cfg is None:
         return 2
     return run_rank(lambda ctx: _repl_rank(cfg, args, ctx), cfg)
 

@@ -266,3 +266,20 @@ def test_a_hub_model_id_resolves_offline_from_the_hub_cache(ckpts, tmp_path):
 def test_help_texts_are_written_for_users():
     out = mpinfer_cmd("shard", "--help").stdout
     assert "Quantize an HF checkpoint" in out and "docstring" not in out and "`ranks`" not in out
+
+
+def test_a_port_in_use_under_torchrun_stops_every_rank_with_one_line(ckpts):
+    """Bare torchrun has no pre-spawn check: rank 0 finds the port taken and tells the others,
+    so the ranks say it once (no rank traceback, none left waiting); what follows is torchrun's
+    own failure report."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = torchrun(2, ["launch/serve.py", "--model", str(ckpts["st_sharded"]),
+                            "--port", str(port)], timeout=120)  # fmt: skip
+    assert proc.returncode != 0
+    said = f"could not serve on 127.0.0.1:{port} (port in use?)"
+    assert proc.stderr.count(said) == 1, proc.stderr[-3000:]
+    ranks = [line for line in proc.stderr.splitlines() if line.startswith(("[rank", "ERROR:"))]
+    assert ranks == [f"[rank 0] ERROR {said}"], proc.stderr[-3000:]

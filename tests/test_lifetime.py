@@ -200,3 +200,70 @@ def test_ctrl_c_during_generate_keeps_the_text_so_far_and_exits_130(ckpts):
     assert len(stopped) == 1, out[-3000:]
     tokens = int(stopped[0].split("after ")[1].split()[0])
     assert 0 < tokens < 480 and "Once upon a time" in out, out[-3000:]
+
+
+def spawn_in_a_pty(*argv: str):
+    import pexpect
+
+    return pexpect.spawn(sys.executable, ["-m", "mpinfer.cli", *argv], cwd=str(ROOT), env=ENV,
+                         encoding="utf-8", timeout=120, dimensions=(40, 200))  # fmt: skip
+
+
+@pytest.mark.parametrize("when", ["loading", "serving"])
+def test_ctrl_c_in_the_terminal_of_serve(ckpts, when):
+    """The pty's interrupt character to `mpinfer serve --nproc 2`: while the model loads every
+    rank stops with one line and exit 130; once serving, the server drains and exits 0 (it was
+    stopped on purpose); never a traceback from any rank."""
+    import pexpect
+
+    child = spawn_in_a_pty("serve", "--nproc", "2", "--model", str(ckpts["st_sharded"]),
+                           "--set", "server.port=0")  # fmt: skip
+    try:
+        child.expect(r"listening on http://127\.0\.0\.1:(\d+) \(loading\)")
+        assert int(child.match.group(1)) > 0  # the port the OS picked, not 0
+        if when == "serving":
+            child.expect("ready: http://")
+        child.sendintr()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    out = child.before
+    assert "Traceback" not in out, out[-3000:]
+    if when == "loading":
+        assert child.exitstatus == 130, out[-3000:]
+        assert out.count("SIGINT: stopped while loading, before serving") == 1, out[-3000:]
+        assert "ready:" not in out
+    else:
+        assert child.exitstatus == 0, out[-3000:]
+        assert "SIGINT: draining" in out and "stopped" in out, out[-3000:]
+
+
+def test_ctrl_c_in_the_terminal_of_the_repl(ckpts):
+    """`mpinfer repl --nproc 2`: Ctrl-C mid-answer keeps the text so far and returns to the
+    prompt with every rank alive (the next answer streams), Ctrl-C at an empty prompt leaves
+    (exit 0, as Ctrl-D does); no traceback."""
+    import pexpect
+
+    child = spawn_in_a_pty("repl", "--nproc", "2", "--model", str(ckpts["st_sharded"]),
+                           "--set", "generation.max_new_tokens=480")  # fmt: skip
+    try:
+        child.expect(">>> ")
+        child.sendline("river")
+        child.expect(r"\S{3}")  # the answer is streaming
+        time.sleep(0.3)
+        child.sendintr()
+        child.expect(r"\[stopped\]")
+        partial = child.before
+        child.expect(">>> ")
+        child.sendline("/set max_new_tokens=4")
+        child.expect(">>> ")
+        child.sendline("river")
+        child.expect(r"\[4 tokens · first token")  # both ranks took the next request
+        child.expect(">>> ")
+        child.sendintr()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert len(partial.split("river", 1)[-1].strip()) >= 3, partial
+    assert child.exitstatus == 0, child.before[-3000:]
+    assert "Traceback" not in partial + child.before

@@ -18,17 +18,23 @@ import argparse
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
 
 import uvicorn
 
-from ..config import RunConfig, add_config_args, config_from_args
+from ..config import RunConfig, add_config_args
 from ..dist import DistContext, raise_everywhere
 from ..startup.launcher import add_launch_args
-from ..startup.runtime import Interrupted, note_stop_signal, on_stop_signal, run_rank, start
+from ..startup.runtime import (
+    Interrupted,
+    note_stop_signal,
+    on_stop_signal,
+    rank_config,
+    run_rank,
+    start,
+)
 from .chat import load_chat_template
 from .guard import protocol_for
 from .routes import build_app
@@ -54,10 +60,8 @@ def parser() -> argparse.ArgumentParser:
 
 def serve_main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    try:
-        cfg = config_from_args(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    cfg = rank_config(args)
+    if cfg is None:
         return 2
     return run_rank(lambda ctx: serve_rank(cfg, ctx), cfg)
 
@@ -69,6 +73,7 @@ def start_http(state: State, cfg: RunConfig) -> tuple[uvicorn.Server, threading.
                             h11_max_incomplete_event_size=s.max_header_bytes,
                             timeout_keep_alive=max(1, int(s.idle_timeout_s)))  # fmt: skip
     server = uvicorn.Server(config)
+    logging.getLogger("uvicorn.error").addFilter(said_below)
     server.install_signal_handlers = lambda: None  # rank 0's main thread owns the signals
     thread = threading.Thread(target=server.run, name="http", daemon=True)
     thread.start()
@@ -77,8 +82,22 @@ def start_http(state: State, cfg: RunConfig) -> tuple[uvicorn.Server, threading.
         time.sleep(0.05)
     if not server.started:
         raise ValueError(f"could not serve on {cfg.server.host}:{cfg.server.port} (port in use?)")
-    log.info("listening on http://%s:%d (loading)", cfg.server.host, cfg.server.port)
+    log.info("listening on %s (loading)", bound_url(server, s.host, s.port))
     return server, thread
+
+
+def said_below(record: logging.LogRecord) -> bool:
+    """uvicorn's own line for a port it cannot bind: start_http says it once, in our words."""
+    return "error while attempting to bind" not in record.getMessage()
+
+
+def bound_url(server: uvicorn.Server, host: str, port: int) -> str:
+    """The address clients reach: with `server.port = 0` the one the OS picked."""
+    for srv in getattr(server, "servers", []):
+        for sock in srv.sockets or ():
+            port = sock.getsockname()[1]
+            break
+    return f"http://{host}:{port}"
 
 
 def serve_rank(cfg: RunConfig, ctx: DistContext) -> None:
@@ -86,15 +105,9 @@ def serve_rank(cfg: RunConfig, ctx: DistContext) -> None:
     if not ctx.is_rank0:
         for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 decides when to stop
             signal.signal(sig, note_stop_signal)
-        raise_everywhere(None, ctx)  # rank 0's check of the chat template
+        raise_everywhere(None, ctx)  # rank 0's check of the chat template and the port
         start(cfg, ctx)
         return
-    error, chat = None, None
-    try:  # a template that does not render stops the server before anything loads
-        chat = load_chat_template(cfg.model.path, s.chat_template)
-    except ValueError as e:
-        error = str(e)
-    raise_everywhere(error, ctx)
     state = State(cfg, model_name=Path(cfg.model.path).name)
 
     def while_loading(signum, frame):
@@ -103,24 +116,34 @@ def serve_rank(cfg: RunConfig, ctx: DistContext) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, while_loading)
-    http, thread = start_http(state, cfg)
+    # A template that does not render, or a port in use, stops every rank before anything
+    # loads: the other ranks wait for this verdict (under torchrun too, no rank left hanging).
+    error, chat, http, thread = None, None, None, None
     try:
+        try:
+            chat = load_chat_template(cfg.model.path, s.chat_template)
+            http, thread = start_http(state, cfg)
+        except ValueError as e:
+            error = str(e)
+        raise_everywhere(error, ctx)
         engine = start(cfg, ctx)
         state.attach(engine, chat)
         install_shutdown(state, engine, s.shutdown_timeout)
         state.status = "ready"
-        log.info("ready: http://%s:%d", s.host, s.port)
+        log.info("ready: %s", bound_url(http, s.host, s.port))
         engine.run()
     except Interrupted as e:
         e.what = "stopped while loading, before serving"
         raise
     except BaseException:
         state.status = "failed"
-        time.sleep(0.5)  # let in-flight requests deliver their error before the socket closes
+        if http is not None:  # let in-flight requests deliver their error before it closes
+            time.sleep(0.5)
         raise
     finally:
-        http.should_exit = True
-        thread.join(timeout=10)
+        if http is not None:
+            http.should_exit = True
+            thread.join(timeout=10)
     log.info("stopped")
 
 

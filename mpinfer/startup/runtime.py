@@ -10,6 +10,7 @@
                           sizes the KV pool from what its process holds under the budget
                           (runner.fit_cache); the other ranks run the worker loop until rank 0
                           stops
+    rank_config(args)     the run's config, or None after one line (from the first rank alone)
     load_tokenizer, default_params   the tokenizer file; the config's [generation] defaults,
                           the one place every face takes them from
 
@@ -23,6 +24,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -32,8 +34,8 @@ from tokenizers import Tokenizer
 
 from ..checkpoint.hf import read_config
 from ..checkpoint.loader import load_model
-from ..config import RunConfig
-from ..dist import DistContext, init_distributed, raise_everywhere, teardown
+from ..config import RunConfig, config_from_args
+from ..dist import DistContext, SharedError, init_distributed, raise_everywhere, teardown
 from ..engine.engine import Engine
 from ..engine.runner import ModelRunner, run_worker
 from ..engine.sampling import SamplingParams
@@ -41,6 +43,17 @@ from ..engine.step import CacheFit
 from ..model.memory import budget_bytes, cpu_blocks, memory_margin, provisional_blocks
 
 log = logging.getLogger("mpinfer")
+
+
+def rank_config(args) -> RunConfig | None:
+    """The config the flags give, or None after saying what is wrong with it: once, from the
+    first rank (under torchrun every rank reads the same flags and finds the same mistake)."""
+    try:
+        return config_from_args(args)
+    except ValueError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        return None
 
 
 def load_tokenizer(model_dir: str) -> Tokenizer:
@@ -118,7 +131,8 @@ def run_rank(work: Callable[[DistContext], int | None], cfg: RunConfig) -> int:
     try:
         return work(ctx) or 0
     except ValueError as e:
-        log.error("%s", e)
+        if ctx.is_rank0 or not isinstance(e, SharedError):  # one rank's own error: its own line
+            log.error("%s", e)
         return 1
     except Interrupted as e:
         if ctx.is_rank0:
