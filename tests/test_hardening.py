@@ -64,7 +64,7 @@ def soak_body(rng: random.Random) -> tuple[str, dict]:
     """A valid request of any kind, its parameters often at the edges of their ranges."""
     edge = rng.choice([
         {}, {"temperature": 1e-300}, {"temperature": 50.0}, {"top_p": 1e-300},
-        {"top_k": 10**15}, {"seed": 2**64 - 1}, {"repetition_penalty": 0.01},
+        {"top_k": 10**15}, {"seed": 2**63 - 1}, {"seed": -(2**63)}, {"repetition_penalty": 0.01},
         {"repetition_penalty": 100.0}, {"typical_p": 1e-9}, {"frequency_penalty": -2.0},
         {"presence_penalty": 2.0}, {"top_p": 0.5, "top_k": 3, "temperature": 0.7},
     ])  # fmt: skip
@@ -74,6 +74,8 @@ def soak_body(rng: random.Random) -> tuple[str, dict]:
         params = {"max_new_tokens": n, "do_sample": rng.random() < 0.7,
                   "top_n_tokens": rng.choice([0, 3]), **edge}  # fmt: skip
         params.pop("presence_penalty", None)
+        if params.get("seed", 0) < 0:  # TGI's seeds are unsigned: its top edge instead
+            params["seed"] = 2**64 - 1
         return "/generate_stream", {"inputs": f"river {rng.random()}", "parameters": params}
     body = {"max_tokens": n, "stream": True, "n": rng.choice([1, 1, 2]), **edge,
             "stream_options": {"include_usage": True}}  # fmt: skip

@@ -138,7 +138,7 @@ BAD = [
     ("/v1/completions", b'{"prompt": []}', 400, "prompt"),
     ("/v1/completions", b'{"prompt": [[]]}', 400, "prompt"),
     ("/v1/completions", b'{"prompt": [1, "a"]}', 400, "prompt"),
-    ("/v1/completions", b'{"prompt": [5000000]}', 400, "outside the vocabulary"),
+    ("/v1/completions", b'{"prompt": [5000000]}', 400, "Token id 5000000 is out of vocabulary"),
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": -1}', 400, "max_tokens"),
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": 999}', 400, "max_tokens"),
@@ -157,7 +157,7 @@ BAD = [
     ("/v1/completions", b'{"prompt": "hi", "colour": 1}', 400, "colour"),
     ("/v1/completions", b"not json", 400, "not valid JSON"),
     ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "robot", "content": "x"}]}', 400,
+    ("/v1/chat/completions", b'{"messages": [{"role": "", "content": "x"}]}', 400,
      "messages[0].role"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": '
      b'"image_url"}]}]}', 400, "messages[0].content[0].type"),

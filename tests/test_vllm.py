@@ -1,9 +1,11 @@
 """Clients written for OpenAI's and vLLM's servers, unchanged: logit_bias, exact usage in every
 mode, special tokens kept where they are text, and vLLM's request extensions with vLLM's meaning
 (stop_token_ids, allowed_token_ids, min_p, skip_special_tokens, include_stop_str_in_output,
-return_token_ids, prompt_logprobs, add_generation_prompt, continue_final_message, /version,
-/tokenize with messages, `root` in /v1/models). Against the suite's server (tiny model, fp32, 2
-ranks); the openai SDK where it applies (vLLM's fields go in its extra_body)."""
+return_token_ids, return_tokens_as_token_ids, prompt_logprobs with ranks, truncate_prompt_tokens,
+add_generation_prompt, continue_final_message, chat echo, custom roles, signed seeds, /version,
+/tokenize with messages, `root` in /v1/models, /invocations, /load, /ping, the batched chat
+route). Against the suite's server (tiny model, fp32, 2 ranks); the openai SDK where it
+applies (vLLM's fields go in its extra_body)."""
 
 from __future__ import annotations
 
@@ -126,9 +128,15 @@ def test_prompt_logprobs_equal_transformers(server, hf_model, tok):
                                            "return_token_ids": True})["choices"][0]  # fmt: skip
     got = out["prompt_logprobs"]
     assert got[0] is None and len(got) == len(ids) == len(out["prompt_token_ids"])
+    _, logp = oracle_logprobs(hf_model, ids)
     for j in range(1, len(ids)):
         assert abs(got[j][str(ids[j])]["logprob"] - want[j]) < 1e-4
         assert len(got[j]) >= 2  # the prompt token and its alternatives
+        # its rank in the whole vocabulary: 1 + the tokens transformers finds more likely
+        rank = 1 + int((logp[j - 1] > logp[j - 1, ids[j]] + 1e-5).sum())
+        assert abs(got[j][str(ids[j])]["rank"] - rank) <= 1, (j, got[j], rank)
+        best = max(got[j].values(), key=lambda e: e["logprob"])
+        assert best["rank"] == 1
     chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                  "max_tokens": 1, "prompt_logprobs": 0,
                                                  "return_token_ids": True})  # fmt: skip
@@ -209,3 +217,168 @@ def test_invocations_is_completions_or_chat_by_its_body(server):
     r = httpx.post(server.url + "/invocations", content=b"[1", timeout=30,
                    headers={"content-type": "application/json"})  # fmt: skip
     assert r.status_code == 400 and "error" in r.json()
+
+
+def test_prompt_logprobs_beyond_the_servers_maximum_say_so_in_vllms_words(server):
+    for n, asked in ((-1, "-1 (the whole vocabulary, "), (21, "21,")):
+        r = httpx.post(server.url + "/v1/completions", json={**GREEDY, "prompt_logprobs": n},
+                       timeout=30)  # fmt: skip
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and f"Requested prompt logprobs of {asked}" in message
+        assert "which is greater than max allowed: 20" in message
+
+
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_id(server, client):
+    """vLLM's return_tokens_as_token_ids: with logprobs every token, chosen or alternative, is
+    `token_id:N` (N the id return_token_ids gives), plain and streamed, completions and chat;
+    the log-probabilities and text offsets are those of the plain answer."""
+    body = {**GREEDY, "logprobs": 2, "return_token_ids": True}
+    plain = post(server, "/v1/completions", body)["choices"][0]
+    named = post(server, "/v1/completions", {**body, "return_tokens_as_token_ids": True})
+    named = named["choices"][0]
+    ids = named["token_ids"]
+    assert named["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids]
+    assert named["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+    assert named["logprobs"]["text_offset"] == plain["logprobs"]["text_offset"]
+    for top, plain_top, t in zip(named["logprobs"]["top_logprobs"],
+                                 plain["logprobs"]["top_logprobs"], ids):  # fmt: skip
+        assert f"token_id:{t}" in top and all(k.startswith("token_id:") for k in top)
+        assert sorted(top.values()) == sorted(plain_top.values())
+    stream = client.completions.create(model="m", prompt=GREEDY["prompt"], max_tokens=8,
+                                       temperature=0, logprobs=1, stream=True,
+                                       extra_body={"return_tokens_as_token_ids": True,
+                                                   "return_token_ids": True})  # fmt: skip
+    streamed = [(c.choices[0].logprobs.tokens, getattr(c.choices[0], "token_ids", None))
+                for c in stream if c.choices and c.choices[0].logprobs]  # fmt: skip
+    assert [tok for toks, _ in streamed for tok in toks] == [f"token_id:{t}" for t in ids]
+    chat = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True},
+    )
+    choice = chat.choices[0]
+    content = choice.logprobs.content
+    assert [c.token for c in content] == [f"token_id:{t}" for t in choice.token_ids]
+    assert all(a.token.startswith("token_id:") for c in content for a in c.top_logprobs)
+    text = "".join(bytes(c.bytes).decode("utf-8", "replace") for c in content)
+    assert text == choice.message.content  # bytes stay the text's
+
+
+def test_chat_echo_returns_the_message_it_continues(server, client, tok):
+    """vLLM's chat echo with continue_final_message: the answer is the assistant message sent
+    followed by its continuation (plain and streamed alike), with the prompt's logprobs; echo
+    after a user message adds nothing."""
+    msgs = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "The river"}]
+    body = {"messages": msgs, "max_tokens": 5, "temperature": 0,
+            "continue_final_message": True, "add_generation_prompt": False}  # fmt: skip
+    plain = post(server, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    echoed = post(server, "/v1/chat/completions", {**body, "echo": True,
+                                                   "return_token_ids": True})  # fmt: skip
+    assert echoed["choices"][0]["message"]["content"] == "The river" + plain
+    assert len(echoed["prompt_logprobs"]) == len(echoed["prompt_token_ids"])
+    assert tok.decode(echoed["prompt_token_ids"]).endswith("The river")
+    extra = {"echo": True, "continue_final_message": True, "add_generation_prompt": False}
+    stream = client.chat.completions.create(
+        model="m", messages=msgs, max_tokens=5, temperature=0, stream=True, extra_body=extra
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == "The river" + plain
+    user_last = {"messages": msgs[:1], "max_tokens": 3, "temperature": 0}
+    assert (post(server, "/v1/chat/completions", {**user_last, "echo": True})["choices"][0]
+            == post(server, "/v1/chat/completions", user_last)["choices"][0])  # fmt: skip
+
+
+def test_custom_roles_and_message_fields_reach_the_template(server):
+    """A role other than the four, and fields beyond role/content/name, go to the template as
+    vLLM passes them: the default template writes the role by its name; a bad role is a 400."""
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "tool", "content": "sunny", "tool_call_id": "call-1"}]  # fmt: skip
+    got = post(server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1,
+                                                "return_token_ids": True})  # fmt: skip
+    rendered = post(server, "/tokenize", {"messages": msgs, "return_token_strs": True})
+    assert got["prompt_token_ids"] == rendered["tokens"]
+    assert "Tool: sunny\n" in "".join(rendered["token_strs"])
+    for role in ("", "x" * 65):
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                       json={"messages": [{"role": role, "content": "hi"}]})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].role"
+
+
+def test_seeds_take_vllms_signed_range_and_errors_name_the_bound(server):
+    body = {**GREEDY, "temperature": 1.0, "max_tokens": 6}
+    a = post(server, "/v1/completions", {**body, "seed": -5})["choices"][0]["text"]
+    # the same draw as TGI's unsigned seed 2**64 - 5 (the sampler's seed is taken modulo 2**64)
+    tgi = post(
+        server,
+        "/generate",
+        {
+            "inputs": GREEDY["prompt"],
+            "parameters": {
+                "do_sample": True,
+                "temperature": 1.0,
+                "max_new_tokens": 6,
+                "seed": 2**64 - 5,
+            },
+        },
+    )
+    assert a == tgi["generated_text"]
+    for seed, kind in ((2**63, "less_than_equal"), (-(2**63) - 1, "greater_than_equal")):
+        r = httpx.post(server.url + "/v1/completions", json={**body, "seed": seed}, timeout=30)
+        assert r.status_code == 400 and kind in r.json()["error"]["message"], r.text
+
+
+def test_out_of_vocabulary_prompt_ids_get_vllms_message(server):
+    for prompt, bad in (([5, 99999, 7], 99999), ([5, -3], -3)):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1},
+                       timeout=30)  # fmt: skip
+        assert r.status_code == 400, r.text
+        assert f"Token id {bad} is out of vocabulary" in r.json()["error"]["message"]
+
+
+def test_batch_chat_load_and_ping(server):
+    """vLLM's /v1/chat/completions/batch: one choice per conversation, each the answer the chat
+    route gives it alone, usage summed; streaming and n > 1 refused by name. GET /load (vLLM's
+    server load) and /ping (SageMaker's health) answer."""
+    convs = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "bye"}],
+    ]
+    body = {"max_tokens": 4, "temperature": 0, "return_token_ids": True, "prompt_logprobs": 1}
+    got = post(server, "/v1/chat/completions/batch", {**body, "messages": convs})
+    assert [c["index"] for c in got["choices"]] == [0, 1]
+    alone = [post(server, "/v1/chat/completions", {**body, "messages": c}) for c in convs]
+    for choice, one in zip(got["choices"], alone):
+        assert choice["message"] == one["choices"][0]["message"]
+        assert choice["prompt_token_ids"] == one["prompt_token_ids"]
+        assert len(choice["prompt_logprobs"]) == len(one["prompt_logprobs"])
+    assert got["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    for bad, field in (
+        ({"stream": True}, "stream"),
+        ({"n": 2}, "n"),
+        ({"messages": []}, "messages"),
+        ({"messages": [[]]}, "messages[0]"),
+    ):
+        r = httpx.post(server.url + "/v1/chat/completions/batch", timeout=30,
+                       json={**body, "messages": convs, **bad})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert httpx.get(server.url + "/load").json() == {"server_load": 0}
+    assert httpx.get(server.url + "/ping").status_code == 200
+    assert httpx.post(server.url + "/ping").json() == {"status": "ready"}
+
+
+def test_openapi_lists_the_vllm_fields_and_routes(server):
+    spec = httpx.get(server.url + "/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    for model in ("CompletionRequest", "ChatRequest", "BatchChatRequest"):
+        fields = schemas[model]["properties"]
+        for name in ("return_tokens_as_token_ids", "prompt_logprobs", "truncate_prompt_tokens",
+                     "truncation_side", "return_token_ids", "seed"):  # fmt: skip
+            assert name in fields, (model, name)
+    assert "echo" in schemas["ChatRequest"]["properties"]
+    assert schemas["BatchChatRequest"]["properties"]["messages"]["type"] == "array"
+    for path in ("/v1/chat/completions/batch", "/invocations", "/load", "/ping"):
+        assert path in spec["paths"], path

@@ -91,10 +91,11 @@ class Engine:
         params.check()
         if not prompt_ids:
             raise ValueError("prompt: must not be empty")
-        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")  # fmt: skip
+        top, low = max(prompt_ids), min(prompt_ids)
+        if top >= self.vocab_size or low < 0:  # vLLM's words, and the range
+            bad = top if top >= self.vocab_size else low
+            raise ValueError(f"prompt: Token id {bad} is out of vocabulary (token ids are "
+                             f"[0, {self.vocab_size}))")  # fmt: skip
         if len(prompt_ids) + params.max_new_tokens > self.max_seq:
             raise ValueError(
                 f"max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens "
@@ -280,10 +281,9 @@ class Engine:
 
         def on_prompt_logits(i: int, offset: int, logits, targets) -> None:
             s = pf_seqs[i]
-            lp, top_ids, top_lps = prompt_token_logprobs(logits, targets.clamp(min=0),
-                                                         s.req.params.prompt_logprobs)  # fmt: skip
+            got = prompt_token_logprobs(logits, targets.clamp(min=0), s.req.params.prompt_logprobs)
             # Position j of the chunk predicts prompt token start + j + 1.
-            prompt.append((s, step.prefills[i].start + offset + 1, lp, top_ids, top_lps))
+            prompt.append((s, step.prefills[i].start + offset + 1, *got))
 
         logits = self.runner.execute(step, on_prompt_logits)
         packed, ready = None, None
@@ -310,10 +310,10 @@ class Engine:
         """Read a launched step's results (it ran while the next one was launched)."""
         if f.ready is not None:
             f.ready.synchronize()
-        for s, at, lp, top_ids, top_lps in f.prompt:
+        for s, at, *got in f.prompt:
             if s.done:
                 continue
-            self._guard(s, self._store_prompt_logprobs, s, at, lp, top_ids, top_lps)
+            self._guard(s, self._store_prompt_logprobs, s, at, *got)
         data = f.packed.tolist() if f.packed is not None else []
         for s, row in zip(f.rows, data):
             if not s.done:
@@ -330,15 +330,16 @@ class Engine:
             log.exception("request %d failed", s.req.id)
             self._finish(s, "error", error=f"{type(e).__name__}: {e}")
 
-    def _store_prompt_logprobs(self, s: Sequence, at: int, lp, top_ids, top_lps) -> None:
+    def _store_prompt_logprobs(self, s: Sequence, at: int, lp, rank, top_ids, top_lps) -> None:
         r, n = s.result, len(s.req.prompt_ids)
-        values = lp.tolist()
+        values, ranks = lp.tolist(), rank.tolist()
         ids = top_ids.tolist() if top_ids is not None else None
         lps = top_lps.tolist() if top_lps is not None else None
         for j, v in enumerate(values):
             if at + j >= n:  # the last position predicts the first generated token
                 break
             r.prompt_logprobs[at + j] = v
+            r.prompt_ranks[at + j] = ranks[j]
             r.prompt_top_logprobs[at + j] = list(zip(ids[j], lps[j])) if ids is not None else []
 
     def _deliver(self, s: Sequence, row: list[float], step_index: int) -> None:

@@ -46,6 +46,7 @@ class Result:
     # One entry per prompt token (None for the first), when the request asked for them.
     prompt_logprobs: list[float | None] = field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    prompt_ranks: list[int | None] = field(default_factory=list)  # 1: the most likely token
     seed: int | None = None
     ttft_s: float = 0.0
     latency_s: float = 0.0
@@ -96,6 +97,7 @@ class Sequence:
         if req.params.prompt_logprobs >= 0:
             self.result.prompt_logprobs = [None] * len(req.prompt_ids)
             self.result.prompt_top_logprobs = [None] * len(req.prompt_ids)
+            self.result.prompt_ranks = [None] * len(req.prompt_ids)
 
     def tokens(self) -> list[int]:
         """What its cache has to hold before it can go on: prompt and generated tokens."""

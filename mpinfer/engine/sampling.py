@@ -341,12 +341,15 @@ class Sampler:
 
 
 def prompt_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int):
-    """Log-probabilities of `targets` (T,) under `logits` (T, V), and the top k alternatives:
-    (lp (T,), top ids (T, k), top lps (T, k)), all on the device."""
+    """Log-probabilities of `targets` (T,) under `logits` (T, V), their ranks (1 + how many
+    tokens are more likely) and the top k alternatives: (lp (T,), rank (T,), top ids (T, k),
+    top lps (T, k)), all on the device."""
     x = logits.float()
     lse = x.logsumexp(-1)
-    lp = x.gather(1, targets[:, None])[:, 0] - lse
+    target = x.gather(1, targets[:, None])
+    lp = target[:, 0] - lse
+    rank = (x > target).sum(-1) + 1
     if k:
         top = x.topk(k, dim=-1)
-        return lp, top.indices, top.values - lse[:, None]
-    return lp, None, None
+        return lp, rank, top.indices, top.values - lse[:, None]
+    return lp, rank, None, None

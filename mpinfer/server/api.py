@@ -163,6 +163,8 @@ def api_error(e: ValidationError, data, status: int, prefix: str) -> ApiError:
         message = best["msg"][0].lower() + best["msg"][1:]
         if "input" in best and not isinstance(best["input"], (dict, list)):
             message += f", got {best['input']!r}"
+        if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+            message += f" ({kind})"  # pydantic's name for the bound, as vLLM's errors give it
     where = best_path or "body"
     return ApiError(status, f"{where}: {message}", field=best_path)
 
@@ -222,7 +224,7 @@ def sampling_params(
         do_sample = do_sample or any(v is not None for v in (top_k, top_p, typical_p))
         if temperature is not None:
             do_sample = temperature >= MIN_TEMPERATURE
-    seed = m.seed
+    seed = None if m.seed is None else m.seed % 2**64  # OpenAI's are signed
     if seed is None and defaults.seed >= 0:
         seed = defaults.seed
 

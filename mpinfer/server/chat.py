@@ -2,12 +2,13 @@
 
 Which template: `server.chat_template` (a Jinja file) if the config names one, else the
 `chat_template` of the checkpoint's tokenizer_config.json, else `DEFAULT_TEMPLATE`, written for
-BLOOM and BLOOMZ (which ship none): each turn on its own line as `User: ...` / `Assistant: ...`,
-a system message first as plain text, and the prompt ending in `Assistant:` for the model to
-continue. Templates render in Jinja's sandbox, as transformers renders them, with `messages`,
-`add_generation_prompt`, `bos_token`, `eos_token` and `raise_exception`; a template is checked
-at start-up by rendering a sample conversation, so a broken one stops the server before it
-serves. What is not here: the HTTP route (oai.py).
+BLOOM and BLOOMZ (which ship none): each turn on its own line as `User: ...` / `Assistant: ...`
+(any other role by its name: `Tool: ...`), a system message first as plain text, and the
+prompt ending in `Assistant:` for the model to continue. Templates render in Jinja's sandbox,
+as transformers renders them, with `messages`, `add_generation_prompt`, `bos_token`,
+`eos_token` and `raise_exception`; a template is checked at start-up by rendering a sample
+conversation, so a broken one stops the server before it serves. What is not here: the HTTP
+route (oai.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ DEFAULT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- if message.role == 'system' -%}{{ message.content + '\\n\\n' }}"
     "{%- elif message.role == 'user' -%}{{ 'User: ' + message.content + '\\n' }}"
-    "{%- else -%}{{ 'Assistant: ' + message.content + '\\n' }}"
+    "{%- elif message.role == 'assistant' -%}{{ 'Assistant: ' + message.content + '\\n' }}"
+    "{%- else -%}{{ message.role | capitalize + ': ' + message.content + '\\n' }}"
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}Assistant:{%- endif -%}"

@@ -40,6 +40,10 @@ from .api import ApiError
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]", "::1")
 
 
+# POST routes that read no body (SageMaker's /ping): nothing a page could send reaches the model.
+BODILESS = frozenset({"/ping"})
+
+
 class BodyTooLarge(Exception):
     """A request body passed `server.max_body_bytes` while it was being read."""
 
@@ -129,7 +133,7 @@ class Guard:
             return ApiError(413, f"request body of {size} bytes is over the "
                             f"{cfg.max_body_bytes} byte limit",
                             kind="payload_too_large")  # fmt: skip
-        if request.method == "POST":
+        if request.method == "POST" and request.url.path not in BODILESS:
             media = headers.get("content-type", "").split(";")[0].strip().lower()
             if media != "application/json":
                 return ApiError(415, f"Content-Type {media or 'missing'!r}: this route takes "

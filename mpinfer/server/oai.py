@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.sampling import MAX_TOP_N
 from .api import (
@@ -41,6 +41,9 @@ MAX_N = 16
 # SamplingParams' names -> OpenAI's, for the messages of the engine's checks.
 NAMES = {"max_new_tokens": "max_tokens", "top_n": "logprobs", "prompt_logprobs": "logprobs"}
 TokenIds = list[Annotated[int, Field(ge=0)]]
+PromptIds = list[int]  # checked against the vocabulary by the engine, in vLLM's words
+INT64 = 2**63
+MAX_CONVERSATIONS = 64  # /v1/chat/completions/batch
 
 
 class StreamOptions(Body):
@@ -67,8 +70,13 @@ class OpenAIFields(SamplingFields):
     stop_token_ids: TokenIds | None = None
     allowed_token_ids: TokenIds | None = None
     min_p: float = Field(0.0, ge=0, le=1)
+    # OpenAI's seeds are signed 64-bit (vLLM's range); the sampler takes them modulo 2**64.
+    seed: int | None = Field(None, ge=-INT64, le=INT64 - 1)
     return_token_ids: bool = False
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_N)
+    # vLLM: log-probability entries name tokens `token_id:N`, identifiable whatever their text.
+    return_tokens_as_token_ids: bool = False
+    # -1 is vLLM's "the whole vocabulary": refused above MAX_TOP_N, as vLLM's default refuses it.
+    prompt_logprobs: int | None = Field(None, ge=-1, le=2**31)
     # vLLM: keep only this many prompt tokens (-1: as many as max_seq_len allows beside the
     # answer), cut from the start ("left", the default) or the end ("right").
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=2**31)
@@ -76,7 +84,7 @@ class OpenAIFields(SamplingFields):
 
 
 class CompletionRequest(OpenAIFields):
-    prompt: str | list[str] | TokenIds | list[TokenIds]
+    prompt: str | list[str] | PromptIds | list[PromptIds]
     max_tokens: int | None = Field(None, ge=0, le=2**31)
     suffix: Literal[""] | None = None  # no insertion: only an empty suffix
     echo: bool = False
@@ -90,7 +98,11 @@ class TextPart(Body):
 
 
 class Message(Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    """A chat message: any role the template renders (vLLM passes custom roles and fields
+    through), its other fields handed to the template as they came."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    role: str = Field(min_length=1, max_length=64)
     content: str | list[TextPart] | None = None
     name: str | None = None
 
@@ -117,7 +129,18 @@ class ChatRequest(OpenAIFields):
     prediction: None = None
     audio: None = None
     reasoning_effort: str | None = None
-    echo: Literal[False] | None = None
+    # vLLM: the answer starts with the last message's content when that message is the
+    # assistant's (what continue_final_message continues).
+    echo: bool = False
+
+
+class BatchChatRequest(ChatRequest):
+    """vLLM's /v1/chat/completions/batch: the chat fields once, several conversations; one
+    choice per conversation, in order."""
+
+    messages: list[Annotated[list[Message], Field(min_length=1)]] = Field(
+        min_length=1, max_length=MAX_CONVERSATIONS
+    )
 
 
 class Usage(BaseModel):
@@ -205,8 +228,10 @@ def parse_completions(body: bytes, state: State) -> Parsed:
         fail("best_of", "best_of > n cannot be streamed")
     if r.stream and r.echo and logprobs is not None:
         fail("echo", "echo with logprobs cannot be streamed (the prompt's come with the answer)")
-    extra = vllm_options(r)
+    extra = vllm_options(r, state)
     k = (logprobs or 0) if r.echo and logprobs is not None else -1
+    if extra["prompt_logprobs"] is None and k >= 0 and not r.stream:
+        extra["prompt_logprobs"] = k  # vLLM: echo with logprobs returns them as prompt_logprobs
     if extra["prompt_logprobs"] is not None:
         k = max(k, extra["prompt_logprobs"])
     if params.max_new_tokens == 0 and k < 0:
@@ -240,11 +265,23 @@ def truncation(r: OpenAIFields, state: State, params) -> tuple[int | None, bool]
     return n, r.truncation_side == "right"
 
 
-def vllm_options(r: OpenAIFields) -> dict:
-    """vLLM's response extensions: return_token_ids, prompt_logprobs (not streamed here)."""
-    if r.prompt_logprobs is not None and r.stream:
+def vllm_options(r: OpenAIFields, state: State) -> dict:
+    """vLLM's response extensions: return_token_ids, return_tokens_as_token_ids,
+    prompt_logprobs (not streamed here; at most MAX_TOP_N alternatives, as vLLM's default
+    --max-logprobs)."""
+    n = r.prompt_logprobs
+    if n is not None and r.stream:
         fail("prompt_logprobs", "is returned with the whole answer only: not with stream")
-    return {"return_token_ids": r.return_token_ids, "prompt_logprobs": r.prompt_logprobs}
+    if n is not None and (n < 0 or n > MAX_TOP_N):
+        vocab = state.engine.loaded.shape.vocab_size
+        asked = f"-1 (the whole vocabulary, {vocab} tokens)" if n < 0 else str(n)
+        fail("prompt_logprobs", f"Requested prompt logprobs of {asked}, which is greater than "
+             f"max allowed: {MAX_TOP_N}")  # fmt: skip
+    return {
+        "return_token_ids": r.return_token_ids,
+        "prompt_logprobs": n,
+        "return_tokens_as_token_ids": r.return_tokens_as_token_ids,
+    }
 
 
 def check_prompt(value, n) -> None:
@@ -269,8 +306,24 @@ def is_int(x) -> bool:
 
 
 def parse_chat(body: bytes, state: State) -> Parsed:
-    data = read_json(body, STATUS)
-    r = validate(ChatRequest, data, STATUS)
+    return chat_jobs(validate(ChatRequest, read_json(body, STATUS), STATUS), state)
+
+
+def parse_batch_chat(body: bytes, state: State) -> Parsed:
+    """vLLM's batched chat: each conversation parsed as a chat request of its own with the
+    shared fields; one choice each (n 1), not streamed."""
+    r = validate(BatchChatRequest, read_json(body, STATUS), STATUS)
+    if r.stream:
+        fail("stream", "the batch route answers with one JSON body: use /v1/chat/completions "
+             "to stream")  # fmt: skip
+    if r.n != 1:
+        fail("n", "the batch route gives one choice per conversation (n 1)")
+    parts = [chat_jobs(r.model_copy(update={"messages": conv}), state) for conv in r.messages]
+    options = {**parts[0].options, "echoed": [p.options["echoed"] for p in parts]}
+    return Parsed(tuple(j for p in parts for j in p.jobs), stream=False, options=options)
+
+
+def chat_jobs(r: ChatRequest, state: State) -> Parsed:
     messages = message_list(r.messages)
     for key in ("tools", "functions"):
         if getattr(r, key):
@@ -286,7 +339,9 @@ def parse_chat(body: bytes, state: State) -> Parsed:
     if r.top_logprobs is not None and not r.logprobs:
         fail("top_logprobs", "needs logprobs: true")
     params, usage = common_params(r, state, key, getattr(r, key))
-    extra = vllm_options(r)
+    extra = vllm_options(r, state)
+    if r.echo and extra["prompt_logprobs"] is None and not r.stream:
+        extra["prompt_logprobs"] = r.top_logprobs or 0  # vLLM: echo returns prompt_logprobs
     plp = -1 if extra["prompt_logprobs"] is None else extra["prompt_logprobs"]
     params = dataclasses.replace(params, top_n=r.top_logprobs or 0, prompt_logprobs=plp)
     try:
@@ -297,14 +352,17 @@ def parse_chat(body: bytes, state: State) -> Parsed:
                        field="messages") from None  # fmt: skip
     cut, keep_start = truncation(r, state, params)
     jobs = tuple(Job(prompt, nth_seed(params, j), cut, keep_start) for j in range(r.n))
+    # vLLM's echo: the last message's content, when it is the role the answer takes.
+    echoed = messages[-1]["content"] if r.echo and messages[-1]["role"] == "assistant" else ""
     return Parsed(jobs, stream=r.stream, options={"n": r.n, "logprobs": r.logprobs,
                                                   "usage": usage, "max_key": key,
-                                                  **extra})  # fmt: skip
+                                                  "echoed": echoed, **extra})  # fmt: skip
 
 
 def message_list(messages: list[Message]) -> list[dict]:
-    """Validated messages as [{"role", "content": str}]: text parts joined, an assistant's
-    missing content empty, "developer" as "system"."""
+    """Validated messages as [{"role", "content": str, ...}]: text parts joined, an
+    assistant's missing content empty, "developer" as "system", any other field kept (the
+    template may read it)."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
@@ -314,5 +372,7 @@ def message_list(messages: list[Message]) -> list[dict]:
             if m.role != "assistant":
                 fail(f"messages[{i}].content", "expected a string or a list of text parts")
             content = ""
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        role = "system" if m.role == "developer" else m.role
+        named = {"name": m.name} if m.name is not None else {}
+        out.append({**(m.model_extra or {}), **named, "role": role, "content": content})
     return out

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from .. import __version__
 from .api import ApiError, Parsed, finite, openai_error, read_json
-from .oai import NAMES, STATUS, parse_chat, parse_completions
+from .oai import NAMES, STATUS, parse_batch_chat, parse_chat, parse_completions
 from .streams import State, Submission, unix_time
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}
@@ -32,12 +32,12 @@ def make_router(state: State) -> APIRouter:
 
     def vllm_prompt_logprobs(ids, r) -> list | None:
         """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, rank,
-        decoded_token}} with the prompt token and its alternatives."""
+        decoded_token}} with the prompt token (its rank in the whole vocabulary) and its
+        alternatives."""
         out = [None]
         for j in range(1, len(ids)):
             lp, top = r.prompt_logprobs[j], r.prompt_top_logprobs[j] or []
-            ranks = {t: k + 1 for k, (t, _) in enumerate(top)}
-            entry = {str(ids[j]): {"logprob": finite(lp), "rank": ranks.get(ids[j]),
+            entry = {str(ids[j]): {"logprob": finite(lp), "rank": r.prompt_ranks[j],
                                    "decoded_token": text_of(ids[j])}}  # fmt: skip
             for k, (t, v) in enumerate(top):
                 entry.setdefault(str(t), {"logprob": finite(v), "rank": k + 1,
@@ -49,26 +49,34 @@ def make_router(state: State) -> APIRouter:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
-    def legacy_logprobs(entries, offset: int) -> dict:
-        """entries: (token id, logprob | None, top [(id, lp)] | None) -> OpenAI's object."""
+    def namer(o: dict):
+        """How log-probability entries name a token: its text, or with vLLM's
+        return_tokens_as_token_ids `token_id:N` (every token identifiable, text or not)."""
+        if o.get("return_tokens_as_token_ids"):
+            return lambda token_id: f"token_id:{token_id}"
+        return text_of
+
+    def legacy_logprobs(entries, offset: int, name=text_of) -> dict:
+        """entries: (token id, logprob | None, top [(id, lp)] | None) -> OpenAI's object;
+        `text_offset` counts characters of the text, however the tokens are named."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token_id, lp, top in entries:
-            text = text_of(token_id)
-            out["tokens"].append(text)
+            out["tokens"].append(name(token_id))
             out["token_logprobs"].append(finite(lp))
             alternatives = None
             if lp is not None:
-                alternatives = {text_of(i): finite(v) for i, v in (top or [])}
-                alternatives[text] = finite(lp)  # the chosen token is always there
+                alternatives = {name(i): finite(v) for i, v in (top or [])}
+                alternatives[name(token_id)] = finite(lp)  # the chosen token is always there
             out["top_logprobs"].append(alternatives)
             out["text_offset"].append(offset)
-            offset += len(text)
+            offset += len(text_of(token_id))
         return out
 
-    def chat_logprob(token_id: int, lp: float, top) -> dict:
-        text = text_of(token_id)
-        return {"token": text, "logprob": finite(lp), "bytes": list(text.encode()),
-                "top_logprobs": [{"token": text_of(i), "logprob": finite(v),
+    def chat_logprob(token_id: int, lp: float, top, name=text_of) -> dict:
+        """One token of chat's logprobs.content; `bytes` are always the token's text."""
+        return {"token": name(token_id), "logprob": finite(lp),
+                "bytes": list(text_of(token_id).encode()),
+                "top_logprobs": [{"token": name(i), "logprob": finite(v),
                                   "bytes": list(text_of(i).encode())} for i, v in top]}  # fmt: skip
 
     async def start(request: Request, parse):
@@ -132,7 +140,7 @@ def make_router(state: State) -> APIRouter:
                     entries += zip(
                         r.token_ids, r.logprobs, r.top_logprobs or [[]] * len(r.logprobs)
                     )
-                    choice["logprobs"] = legacy_logprobs(entries, 0)
+                    choice["logprobs"] = legacy_logprobs(entries, 0, namer(o))
                 choices.append(choice)
         prompt_tokens = sum(len(ids) for ids in sub.prompt_ids[::best_of])
         return {
@@ -198,8 +206,9 @@ def make_router(state: State) -> APIRouter:
                     generated[0] += 1
                     lp = None
                     if o["logprobs"] is not None:
-                        lp = legacy_logprobs([(ev.token_id, ev.logprob, ev.top)], offsets[i])
-                        offsets[i] += len(lp["tokens"][0])
+                        lp = legacy_logprobs([(ev.token_id, ev.logprob, ev.top)], offsets[i],
+                                             namer(o))  # fmt: skip
+                        offsets[i] += len(text_of(ev.token_id))
                     more = {"token_ids": [ev.token_id]} if o.get("return_token_ids") else {}
                     if ev.text or lp or more:
                         yield chunk(i, ev.text, logprobs=lp, **more)
@@ -215,33 +224,59 @@ def make_router(state: State) -> APIRouter:
     async def chat(request: Request):
         return await respond(request, parse_chat, "chatcmpl", stream_chat, chat_body)
 
+    def chat_choice(o: dict, index: int, r, echoed: str) -> dict:
+        logprobs = None
+        if o["logprobs"]:
+            tops = r.top_logprobs or [[]] * len(r.token_ids)
+            logprobs = {"content": [chat_logprob(t, lp, top, namer(o)) for t, lp, top
+                                    in zip(r.token_ids, r.logprobs, tops)]}  # fmt: skip
+        choice = {
+            "index": index,
+            "message": {"role": "assistant", "content": echoed + r.text},
+            "logprobs": logprobs,
+            "finish_reason": FINISH.get(r.finish_reason, r.finish_reason),
+        }
+        if o.get("return_token_ids"):
+            choice["token_ids"] = list(r.token_ids)
+        return choice
+
     def chat_body(parsed: Parsed, sub: Submission, done, cid: str, created: int) -> dict:
-        choices = []
-        for i, (r, _) in enumerate(done):
-            logprobs = None
-            if parsed.options["logprobs"]:
-                tops = r.top_logprobs or [[]] * len(r.token_ids)
-                logprobs = {"content": [chat_logprob(t, lp, top) for t, lp, top
-                                        in zip(r.token_ids, r.logprobs, tops)]}  # fmt: skip
-            choice = {
-                "index": i,
-                "message": {"role": "assistant", "content": r.text},
-                "logprobs": logprobs,
-                "finish_reason": FINISH.get(r.finish_reason, r.finish_reason),
-            }
-            if parsed.options.get("return_token_ids"):
-                choice["token_ids"] = list(r.token_ids)
-            choices.append(choice)
+        o = parsed.options
+        choices = [chat_choice(o, i, r, o["echoed"]) for i, (r, _) in enumerate(done)]
         body = {
             "id": cid, "object": "chat.completion", "created": created, "model": state.model_name,
             "choices": choices, "system_fingerprint": None,
             "usage": usage(len(sub.prompt_ids[0]), sum(len(r.token_ids) for r, _ in done)),
         }  # fmt: skip
-        if parsed.options.get("return_token_ids"):
+        if o.get("return_token_ids"):
             body["prompt_token_ids"] = list(sub.prompt_ids[0])
-        if parsed.options.get("prompt_logprobs") is not None:
+        if o.get("prompt_logprobs") is not None:
             body["prompt_logprobs"] = vllm_prompt_logprobs(sub.prompt_ids[0], done[0][0])
         return body
+
+    def batch_chat_body(parsed: Parsed, sub: Submission, done, cid: str, created: int) -> dict:
+        """vLLM's batched chat answer: a chat completion with one choice per conversation
+        (its prompt's ids and log-probabilities on the choice), usage summed."""
+        o = parsed.options
+        choices = []
+        for i, ((r, _), ids, echoed) in enumerate(zip(done, sub.prompt_ids, o["echoed"])):
+            choice = chat_choice(o, i, r, echoed)
+            if o.get("return_token_ids"):
+                choice["prompt_token_ids"] = list(ids)
+            if o.get("prompt_logprobs") is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(ids, r)
+            choices.append(choice)
+        prompt_tokens = sum(len(ids) for ids in sub.prompt_ids)
+        return {
+            "id": cid, "object": "chat.completion", "created": created, "model": state.model_name,
+            "choices": choices, "system_fingerprint": None,
+            "usage": usage(prompt_tokens, sum(len(r.token_ids) for r, _ in done)),
+        }  # fmt: skip
+
+    @router.post("/v1/chat/completions/batch",
+                 openapi_extra={"x-mpinfer-body": "BatchChatRequest"})  # fmt: skip
+    async def batch_chat(request: Request):
+        return await respond(request, parse_batch_chat, "chatcmpl-batch", None, batch_chat_body)
 
     def stream_chat(request, sub: Submission, parsed: Parsed, cid, created):
         o = parsed.options
@@ -259,12 +294,15 @@ def make_router(state: State) -> APIRouter:
         async def chunks():
             for i in range(len(sub.prompt_ids)):
                 yield chunk(i, {"role": "assistant", "content": ""})
+                if o["echoed"]:  # vLLM's echo: the last message's content comes first
+                    yield chunk(i, {"content": o["echoed"]})
             async for i, ev in sub.events(request):
                 if ev.kind == "token":
                     generated[0] += 1
                     lp = None
                     if o["logprobs"]:
-                        lp = {"content": [chat_logprob(ev.token_id, ev.logprob, ev.top)]}
+                        lp = {"content": [chat_logprob(ev.token_id, ev.logprob, ev.top,
+                                                       namer(o))]}  # fmt: skip
                     if ev.text or lp:
                         yield chunk(i, {"content": ev.text}, logprobs=lp)
                 else:

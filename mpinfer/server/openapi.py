@@ -9,7 +9,7 @@ oai.py, routes.py), which the fuzz test (tests/test_hardening.py) runs against t
 
 from __future__ import annotations
 
-from .oai import ChatRequest, CompletionRequest, CompletionResponse, OpenAIError
+from .oai import BatchChatRequest, ChatRequest, CompletionRequest, CompletionResponse, OpenAIError
 from .tgi import TgiError, TgiRequest, TgiResponse
 
 ERRORS = {
@@ -31,7 +31,9 @@ def describe(spec: dict, bodies: dict, *, max_seq_len: int, vocab_size: int | No
     NAME -> (request model, answer model, error model); the routes' faces add theirs."""
     faces = {"TgiRequest": (TgiRequest, TgiResponse, TgiError),
              "CompletionRequest": (CompletionRequest, CompletionResponse, OpenAIError),
-             "ChatRequest": (ChatRequest, CompletionResponse, OpenAIError), **bodies}  # fmt: skip
+             "ChatRequest": (ChatRequest, CompletionResponse, OpenAIError),
+             "BatchChatRequest": (BatchChatRequest, CompletionResponse, OpenAIError),
+             **bodies}  # fmt: skip
     limits = {"max_new_tokens": max_seq_len - 1, "max_tokens": max_seq_len - 1,
               "max_completion_tokens": max_seq_len - 1}  # fmt: skip
     components = spec.setdefault("components", {}).setdefault("schemas", {})

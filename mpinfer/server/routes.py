@@ -1,7 +1,8 @@
 """The HTTP app on rank 0: the TGI routes (tgi.py) and the OpenAI routes (oairoutes.py) over the
 engine, plus operations: GET /health, /info, /metrics (Prometheus), /openapi.json; and vLLM's
 POST /tokenize, /detokenize and GET /tokenizer_info, so tools that tokenize on the server
-(lm-evaluation-harness) need no tokenizer of their own.
+(lm-evaluation-harness) need no tokenizer of their own; GET /load (vLLM's server load) and
+GET|POST /ping (SageMaker's health check).
 
 Before any route: guard.py's checks (the bearer token, body and header limits, JSON content
 type, the Host header). Metrics count requests by route template, unmatched paths as one label.
@@ -100,6 +101,18 @@ def build_app(state: State) -> FastAPI:
             state.stall_logged = False
         code = 200 if status == "ready" else 503
         return JSONResponse({"status": status}, status_code=code)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        """SageMaker's health check, as vLLM serves it: /health's answer."""
+        return await health()
+
+    @app.get("/load")
+    async def load():
+        """vLLM's server-load route (what a load balancer polls): the sequences waiting or
+        running in the engine (a request with n: 4 counts 4; vLLM counts HTTP requests)."""
+        e = state.engine
+        return {"server_load": (e.queue_depth + e.running_slots) if e else 0}
 
     @app.get("/info")
     async def info():
