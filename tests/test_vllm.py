@@ -376,9 +376,52 @@ def test_openapi_lists_the_vllm_fields_and_routes(server):
     for model in ("CompletionRequest", "ChatRequest", "BatchChatRequest"):
         fields = schemas[model]["properties"]
         for name in ("return_tokens_as_token_ids", "prompt_logprobs", "truncate_prompt_tokens",
-                     "truncation_side", "return_token_ids", "seed"):  # fmt: skip
+                     "truncation_side", "return_token_ids", "seed",
+                     "logprob_token_ids"):  # fmt: skip
             assert name in fields, (model, name)
     assert "echo" in schemas["ChatRequest"]["properties"]
     assert schemas["BatchChatRequest"]["properties"]["messages"]["type"] == "array"
     for path in ("/v1/chat/completions/batch", "/invocations", "/load", "/ping"):
         assert path in spec["paths"], path
+
+
+def test_logprob_token_ids_report_those_tokens_at_every_position(server, client, hf_model):
+    """vLLM's logprob_token_ids: the alternatives at each generated position are exactly the
+    named tokens, their log-probabilities transformers' at that position; plain, streamed and
+    in chat; without logprobs, repeated or out of the vocabulary: a 400 naming the field."""
+    wanted = [3, 17, 250]
+    body = {**GREEDY, "logprobs": 1, "logprob_token_ids": wanted, "return_token_ids": True,
+            "return_tokens_as_token_ids": True}  # fmt: skip
+    choice = post(server, "/v1/completions", body)["choices"][0]
+    ids = choice["prompt_token_ids"] + choice["token_ids"]
+    _, logp = oracle_logprobs(hf_model, ids)
+    start = len(choice["prompt_token_ids"])
+    for j, (top, t) in enumerate(zip(choice["logprobs"]["top_logprobs"], choice["token_ids"])):
+        assert set(top) == {f"token_id:{w}" for w in wanted} | {f"token_id:{t}"}
+        for w in wanted:
+            assert abs(top[f"token_id:{w}"] - float(logp[start + j - 1, w])) < 1e-4
+    stream = client.completions.create(model="m", prompt=GREEDY["prompt"], max_tokens=8,
+                                       temperature=0, logprobs=1, stream=True,
+                                       extra_body={"logprob_token_ids": wanted,
+                                                   "return_tokens_as_token_ids": True})  # fmt: skip
+    tops = [t for c in stream if c.choices and c.choices[0].logprobs
+            for t in c.choices[0].logprobs.top_logprobs]  # fmt: skip
+    assert tops == choice["logprobs"]["top_logprobs"]
+    chat = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        extra_body={"logprob_token_ids": wanted, "return_tokens_as_token_ids": True},
+    )
+    for entry in chat.choices[0].logprobs.content:
+        assert [a.token for a in entry.top_logprobs] == [f"token_id:{w}" for w in wanted]
+    for bad in (
+        {"logprobs": None},
+        {"logprob_token_ids": [3, 3]},
+        {"logprob_token_ids": [10**6]},
+        {"logprob_token_ids": list(range(21))},
+    ):
+        r = httpx.post(server.url + "/v1/completions", json={**body, **bad}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_token_ids", r.text

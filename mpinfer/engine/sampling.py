@@ -50,6 +50,9 @@ class SamplingParams:
     seed: int | None = None  # None: the engine draws one (and reports it)
     stop: tuple[str, ...] = ()
     top_n: int = 0  # alternatives (token, log-probability) per generated token
+    # vLLM's logprob_token_ids: these tokens' log-probabilities as the alternatives (top_n of
+    # them), in place of the most likely ones
+    logprob_token_ids: tuple[int, ...] = ()
     prompt_logprobs: int = -1  # >= 0: every prompt token's log-probability, and this many alts
     ignore_eos: bool = False  # keep generating past EOS (load generators use it)
     min_tokens: int = 0  # EOS cannot end the request before this many tokens
@@ -105,6 +108,9 @@ class SamplingParams:
             raise ValueError(f"stop: at most {MAX_STOP} non-empty strings, got {list(self.stop)!r}")
         if not 0 <= self.top_n <= MAX_TOP_N:
             raise ValueError(f"top_n={self.top_n!r} must be in [0, {MAX_TOP_N}]")
+        if self.logprob_token_ids and len(self.logprob_token_ids) != self.top_n:
+            raise ValueError(f"top_n={self.top_n!r} must be the number of logprob_token_ids "
+                             f"({len(self.logprob_token_ids)})")  # fmt: skip
         if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
             raise ValueError(f"min_p={self.min_p!r} must be in [0, 1]")
         for token, bias in self.logit_bias:
@@ -334,6 +340,12 @@ class Sampler:
             top = x.topk(k, dim=-1)
             out[:, 3 : 3 + k] = top.indices.float()
             out[:, 3 + MAX_TOP_N : 3 + MAX_TOP_N + k] = top.values - lse[:, None]
+        for i, r in enumerate(rows):  # rows that name their alternatives (few: a loop)
+            ids = r.params.logprob_token_ids
+            if ids:
+                at = to_device(list(ids), self.device)
+                out[i, 3 : 3 + len(ids)] = at.float()
+                out[i, 3 + MAX_TOP_N : 3 + MAX_TOP_N + len(ids)] = x[i, at] - lse[i]
         if needs.history:
             self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32),
                                    accumulate=True)  # fmt: skip

@@ -75,6 +75,9 @@ class OpenAIFields(SamplingFields):
     return_token_ids: bool = False
     # vLLM: log-probability entries name tokens `token_id:N`, identifiable whatever their text.
     return_tokens_as_token_ids: bool = False
+    # vLLM: with logprobs, these tokens' log-probabilities at every position, in place of the
+    # most likely alternatives
+    logprob_token_ids: TokenIds | None = Field(None, min_length=1, max_length=MAX_TOP_N)
     # -1 is vLLM's "the whole vocabulary": refused above MAX_TOP_N, as vLLM's default refuses it.
     prompt_logprobs: int | None = Field(None, ge=-1, le=2**31)
     # vLLM: keep only this many prompt tokens (-1: as many as max_seq_len allows beside the
@@ -237,6 +240,7 @@ def parse_completions(body: bytes, state: State) -> Parsed:
     if params.max_new_tokens == 0 and k < 0:
         fail("max_tokens", "0 generates nothing: it needs echo with logprobs (prompt scoring)")
     params = dataclasses.replace(params, top_n=logprobs or 0, prompt_logprobs=k)
+    params = named_alternatives(r, params, state, logprobs is not None, "logprobs")
     check_params(params, STATUS, "", NAMES)
     cut, keep_start = truncation(r, state, params)
     jobs = tuple(Job(p, nth_seed(params, j), cut, keep_start) for p in prompts
@@ -263,6 +267,20 @@ def truncation(r: OpenAIFields, state: State, params) -> tuple[int | None, bool]
         if n < 1:
             fail("truncate_prompt_tokens", f"-1 keeps max_seq_len - max_tokens = {n} tokens")
     return n, r.truncation_side == "right"
+
+
+def named_alternatives(r: OpenAIFields, params, state: State, asked: bool, needs: str):
+    """vLLM's logprob_token_ids: the alternatives reported at each position are these tokens
+    (in the order given), not the most likely ones; they need logprobs."""
+    ids = r.logprob_token_ids
+    if not ids:
+        return params
+    if not asked:
+        fail("logprob_token_ids", f"needs {needs}")
+    if len(set(ids)) != len(ids):
+        fail("logprob_token_ids", "each token id at most once")
+    ids = token_ids(ids, "logprob_token_ids", state.engine.loaded.shape.vocab_size)
+    return dataclasses.replace(params, top_n=len(ids), logprob_token_ids=ids)
 
 
 def vllm_options(r: OpenAIFields, state: State) -> dict:
@@ -344,6 +362,7 @@ def chat_jobs(r: ChatRequest, state: State) -> Parsed:
         extra["prompt_logprobs"] = r.top_logprobs or 0  # vLLM: echo returns prompt_logprobs
     plp = -1 if extra["prompt_logprobs"] is None else extra["prompt_logprobs"]
     params = dataclasses.replace(params, top_n=r.top_logprobs or 0, prompt_logprobs=plp)
+    params = named_alternatives(r, params, state, r.logprobs, "logprobs: true")
     try:
         prompt = state.chat.render(messages, add_generation_prompt=add_prompt,
                                    continue_final_message=r.continue_final_message)  # fmt: skip
