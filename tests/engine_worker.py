@@ -161,8 +161,10 @@ def scenarios(runner, ctx, tok):
     # 8. Chunked prefill: a 60-token prompt arrives while a request decodes; with 16 prompt
     #    tokens a step, the decoding request still gets a token every step.
     long_ids = (enc[7] * 4)[:60]
+    # prompt_logprobs too: each chunk's positions, their ranks and alternatives
+    scored = SamplingParams(max_new_tokens=5, prompt_logprobs=2)
     engine = Engine(runner, ctx, tok, max_prefill_tokens=16)
-    _, box = collect(engine, long_ids, SamplingParams(max_new_tokens=5))
+    _, box = collect(engine, long_ids, scored)
     engine.run(until_idle=True)
     long_alone = as_dict(box["result"])
     engine = Engine(runner, ctx, tok, max_prefill_tokens=16)
@@ -171,7 +173,7 @@ def scenarios(runner, ctx, tok):
     def feeder2():
         while sum(e.kind == "token" for e in first_events) < 2:
             time.sleep(0.001)
-        late["box"] = collect(engine, long_ids, SamplingParams(max_new_tokens=5))[1]
+        late["box"] = collect(engine, long_ids, scored)[1]
 
     _, first = collect(engine, enc[1], SamplingParams(max_new_tokens=20), first_events)
     t = threading.Thread(target=feeder2)
@@ -180,7 +182,7 @@ def scenarios(runner, ctx, tok):
     t.join()
     # The same prompt whole, in one step (a budget above its length): the same tokens.
     engine = Engine(runner, ctx, tok, max_prefill_tokens=64)
-    _, box = collect(engine, long_ids, SamplingParams(max_new_tokens=5))
+    _, box = collect(engine, long_ids, scored)
     engine.run(until_idle=True)
     out["chunked"] = {"long_alone": long_alone, "long": as_dict(late["box"]["result"]),
                       "decoding": as_dict(first["result"]), "whole": as_dict(box["result"]),

@@ -102,6 +102,15 @@ def test_long_prompt_is_prefilled_in_chunks_without_stalling_decodes(eng):
     # Chunked (16 a step) = whole (one step of 60): the same tokens; whole took 5 + 1 steps.
     assert c["whole"]["token_ids"] == c["long_alone"]["token_ids"]
     assert c["steps_whole"] <= 6
+    # Prompt log-probabilities across the chunks' boundaries: those of the whole prompt, every
+    # position (its rank in the vocabulary and its two alternatives too), alone or beside a decode.
+    whole = c["whole"]
+    assert whole["prompt_logprobs"][0] is None and None not in whole["prompt_logprobs"][1:]
+    for got in (c["long_alone"], c["long"]):
+        assert got["prompt_logprobs"][1:] == pytest.approx(whole["prompt_logprobs"][1:], abs=1e-4)
+        assert got["prompt_ranks"] == whole["prompt_ranks"]
+        for a, b in zip(got["prompt_top_logprobs"][1:], whole["prompt_top_logprobs"][1:]):
+            assert [t for t, _ in a] == [t for t, _ in b]
 
 
 def test_a_request_cancelled_mid_prompt_ends_at_once_and_frees_its_slot(eng):
