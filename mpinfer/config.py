@@ -123,6 +123,7 @@ class ServerConfig:
     max_header_bytes: int = 64 << 10
     max_connections: int = 512
     idle_timeout_s: float = 10.0
+    request_timeout_s: float = 30.0  # a request's body must have arrived by then
     # Extra Host header names accepted when bound to loopback (comma-separated; "*": any).
     allowed_hosts: str = ""
     # Engine jobs one request may ask for (prompts x n x best_of).
@@ -200,7 +201,8 @@ class RunConfig:
         s = self.server
         for key in ("max_batch_slots", "max_seq_len", "max_queue", "max_body_bytes",
                     "max_prefill_tokens", "max_header_bytes", "max_connections",
-                    "idle_timeout_s", "max_jobs_per_request", "stall_timeout_s"):  # fmt: skip
+                    "idle_timeout_s", "request_timeout_s", "max_jobs_per_request",
+                    "stall_timeout_s"):  # fmt: skip
             if getattr(s, key) <= 0:
                 raise ValueError(f"server.{key}={getattr(s, key)} must be > 0")
         if s.kv_block_size <= 0:

@@ -14,6 +14,7 @@ testable on its own. What is not here: each face's own models (tgi.py, oai.py, r
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
@@ -54,6 +55,19 @@ class Parsed:
     options: dict = field(default_factory=dict)  # route-specific: details, echo, usage, ...
 
 
+async def json_off_loop(build, status: int = 200):
+    """The JSON answer `build()` makes, built and serialized on a worker thread: a prompt's
+    log-probabilities can be megabytes, and the event loop serves every other client meanwhile."""
+    from fastapi.responses import Response
+
+    def render() -> bytes:
+        return json.dumps(build(), ensure_ascii=False, allow_nan=False,
+                          separators=(",", ":")).encode()  # fmt: skip
+
+    return Response(await asyncio.to_thread(render), status_code=status,
+                    media_type="application/json")  # fmt: skip
+
+
 def read_json(body: bytes, status: int) -> dict:
     try:
         text = body.decode("utf-8")
@@ -69,6 +83,9 @@ def read_json(body: bytes, status: int) -> dict:
         raise ApiError(status, f"request body holds a number too large to read: {e}") from None
     if not isinstance(data, dict):
         raise ApiError(status, "request body must be a JSON object")
+    where = too_deep(data)
+    if where is not None:  # every reader after this one recurses: refuse it here
+        raise ApiError(status, f"{where}: nests deeper than {MAX_DEPTH} levels", field=where)
     try:  # JSON's \ud800 escapes make strings (keys too) that are not valid Unicode
         json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
@@ -76,6 +93,25 @@ def read_json(body: bytes, status: int) -> dict:
         message = f"{where}: invalid Unicode (a lone surrogate)"
         raise ApiError(status, message, field=where) from None
     return data
+
+
+MAX_DEPTH = 32  # objects and lists in a body: a chat message with content parts is 5 deep
+
+
+def too_deep(data) -> str | None:
+    """Where a parsed body first goes deeper than MAX_DEPTH (walked without recursion)."""
+    stack = [(data, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return where or "body"
+        if isinstance(value, dict):
+            stack.extend((v, f"{where}.{k}" if where else str(k), depth + 1)
+                         for k, v in value.items() if isinstance(v, (dict, list)))  # fmt: skip
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]", depth + 1)
+                         for i, v in enumerate(value) if isinstance(v, (dict, list)))  # fmt: skip
+    return None
 
 
 def surrogate_at(value, where: str = "") -> str | None:

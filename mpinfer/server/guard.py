@@ -2,11 +2,17 @@
 sends, checked before any route parses a byte. What is not here: the routes (routes.py, tgi.py,
 oairoutes.py) and request parsing (api.py, oai.py).
 
-The connection (`GuardedH11`, uvicorn's h11 protocol with three additions):
+The connection (`GuardedH11`, uvicorn's h11 protocol with these additions):
 - a connection with no request in progress is closed after `server.idle_timeout_s`, whether it
   never sent anything, sends its headers a byte at a time, or idles between requests;
-- past `server.max_connections` open connections a new one gets a 503 and is closed at once;
-- a request line and headers over `server.max_header_bytes` get h11's 431/400 and a close.
+- a request whose body has not all arrived `server.request_timeout_s` after its headers gets a
+  408 and a close (a body sent a byte a second, or never);
+- at `server.max_connections` open connections a new one closes the connection that has gone
+  longest without a whole request (idle, or still sending one), so clients that never finish
+  a request cannot hold the cap; only when every connection is at work does a new one get a
+  503 and a close;
+- a request line and headers over `server.max_header_bytes` get h11's 431/400 and a close;
+- each close is counted by reason (`mpinfer_connections_closed_total{reason}`).
 
 The request (`Guard`, an ASGI middleware):
 - `server.api_key`: a bearer token on every route but /health (401), compared in constant time;
@@ -31,6 +37,7 @@ import os
 import time
 from pathlib import Path
 
+import h11
 from fastapi import Request
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -129,7 +136,7 @@ class Guard:
                 return ApiError(401, "missing or wrong bearer token", field="authorization",
                                 kind="auth")  # fmt: skip
         size = headers.get("content-length", "")
-        if size.isdigit() and int(size) > cfg.max_body_bytes:
+        if size.isascii() and size.isdigit() and (len(size) > 18 or int(size) > cfg.max_body_bytes):
             return ApiError(413, f"request body of {size} bytes is over the "
                             f"{cfg.max_body_bytes} byte limit",
                             kind="payload_too_large")  # fmt: skip
@@ -143,50 +150,79 @@ class Guard:
 
 
 class GuardedH11(H11Protocol):
-    """uvicorn's h11 protocol with an idle timeout that also covers a connection's first request
-    and a cap on open connections (`configure` sets both from the server config)."""
+    """uvicorn's h11 protocol with the connection limits above (`protocol_for` sets them from
+    the server config, and the counter of closes the metrics read)."""
 
     idle_timeout_s = 10.0
+    request_timeout_s = 30.0
     max_connections = 512
+    closed: dict = {}  # reason -> connections closed for it (shared by every connection)
+    CHECK_S = 0.5
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        if len(self.connections) > self.max_connections:
+        self.phase, self.phase_since, self.timer = "idle", time.monotonic(), None
+        if len(self.connections) > self.max_connections and not self.evict_one():
             body = b'{"error": "too many open connections", "error_type": "overloaded"}'
-            transport.write(b"HTTP/1.1 503 Service Unavailable\r\n"
-                            b"content-type: application/json\r\n"
-                            b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
-                            % (len(body), body))  # fmt: skip
-            transport.close()
+            self.close_for("over_cap", b"503 Service Unavailable", body)
             return
-        self.idle_since = time.monotonic()
-        self.idle_timer = self.loop.call_later(self.idle_timeout_s, self.check_idle)
+        self.timer = self.loop.call_later(self.CHECK_S, self.check)
+
+    def current_phase(self) -> str:
+        """idle (no request, or its headers still coming), receiving (headers in, the body
+        not yet all here) or working (a whole request, its answer under way)."""
+        if self.cycle is None or self.cycle.response_complete:
+            return "idle"
+        if self.conn.their_state is h11.SEND_BODY:
+            return "receiving"
+        return "working"
+
+    def evict_one(self) -> bool:
+        """At the cap: close the connection that has waited longest without a whole request."""
+        waiting = [p for p in self.connections if p is not self and isinstance(p, GuardedH11)
+                   and not p.transport.is_closing() and p.current_phase() != "working"]  # fmt: skip
+        if not waiting:
+            return False
+        min(waiting, key=lambda p: p.phase_since).close_for("evicted")
+        return True
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self.idle_since = time.monotonic()
+        self.phase, self.phase_since = "idle", time.monotonic()
 
-    def check_idle(self) -> None:
-        """Close the connection if no request has been in progress for idle_timeout_s."""
-        busy = self.cycle is not None and not self.cycle.response_complete
-        waited = time.monotonic() - self.idle_since
-        if not busy and waited >= self.idle_timeout_s:
-            self.transport.close()
-            return
-        delay = self.idle_timeout_s if busy else self.idle_timeout_s - waited
-        self.idle_timer = self.loop.call_later(delay, self.check_idle)
+    def check(self) -> None:
+        now, phase = time.monotonic(), self.current_phase()
+        if phase != self.phase:
+            self.phase, self.phase_since = phase, now
+        waited = now - self.phase_since
+        if phase == "idle" and waited >= self.idle_timeout_s:
+            self.close_for("idle")
+        elif phase == "receiving" and waited >= self.request_timeout_s:
+            body = (b'{"error": "the request body did not arrive within server.request_timeout_s",'
+                    b' "error_type": "timeout"}')  # fmt: skip
+            self.close_for("slow_request", b"408 Request Timeout", body)
+        else:
+            self.timer = self.loop.call_later(self.CHECK_S, self.check)
+
+    def close_for(self, reason: str, status: bytes = b"", body: bytes = b"") -> None:
+        """Count the close, answer `status` first when given, and close the connection."""
+        self.closed[reason] = self.closed.get(reason, 0) + 1
+        if status and not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n"
+                                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
+                                 % (status, len(body), body))  # fmt: skip
+        self.transport.close()
 
     def connection_lost(self, exc) -> None:
-        timer = getattr(self, "idle_timer", None)
-        if timer is not None:
-            timer.cancel()
+        if getattr(self, "timer", None) is not None:
+            self.timer.cancel()
         super().connection_lost(exc)
 
 
-def protocol_for(cfg: ServerConfig) -> type[GuardedH11]:
-    """A GuardedH11 subclass carrying this server's limits (uvicorn builds it per connection)."""
-    return type(
-        "MpinferH11",
-        (GuardedH11,),
-        {"idle_timeout_s": cfg.idle_timeout_s, "max_connections": cfg.max_connections},
-    )
+def protocol_for(cfg: ServerConfig, closed: dict | None = None) -> type[GuardedH11]:
+    """A GuardedH11 subclass carrying this server's limits and its counter of closes (uvicorn
+    builds one per connection)."""
+    return type("MpinferH11", (GuardedH11,), {
+        "idle_timeout_s": cfg.idle_timeout_s, "request_timeout_s": cfg.request_timeout_s,
+        "max_connections": cfg.max_connections, "closed": {} if closed is None else closed,
+    })  # fmt: skip

@@ -199,12 +199,17 @@ def common_params(r: OpenAIFields, state: State, max_key: str, max_new: int | No
 def logit_bias(raw: dict | None, vocab: int) -> tuple[tuple[int, float], ...]:
     """OpenAI's map of token id (a string) -> bias in [-100, 100]; the 400 names every bad key."""
     raw = raw or {}
-    bad = [k for k in raw if not (k.isdigit() and int(k) < vocab)]
+    bad = [k for k in raw if not (k.isascii() and k.isdigit() and len(k) <= 12
+                                  and int(k) < vocab)]  # fmt: skip
     if bad:
         fail("logit_bias", f"keys must be token ids in [0, {vocab}): {', '.join(map(repr, bad))}")
+    named: dict[int, str] = {}
     for k, v in raw.items():
         if not -100 <= v <= 100:
             fail("logit_bias", f"the bias of token {k} must be a number in [-100, 100], got {v!r}")
+        if int(k) in named:
+            fail("logit_bias", f"keys {named[int(k)]!r} and {k!r} name the same token")
+        named[int(k)] = k
     return tuple((int(k), float(v)) for k, v in raw.items())
 
 
@@ -363,12 +368,8 @@ def chat_jobs(r: ChatRequest, state: State) -> Parsed:
     plp = -1 if extra["prompt_logprobs"] is None else extra["prompt_logprobs"]
     params = dataclasses.replace(params, top_n=r.top_logprobs or 0, prompt_logprobs=plp)
     params = named_alternatives(r, params, state, r.logprobs, "logprobs: true")
-    try:
-        prompt = state.chat.render(messages, add_generation_prompt=add_prompt,
-                                   continue_final_message=r.continue_final_message)  # fmt: skip
-    except Exception as e:  # a template's own raise_exception, or any Jinja fault
-        raise ApiError(STATUS, f"messages: the chat template refused them: {e}",
-                       field="messages") from None  # fmt: skip
+    prompt = render_chat(state.chat, messages, add_generation_prompt=add_prompt,
+                         continue_final_message=r.continue_final_message)  # fmt: skip
     cut, keep_start = truncation(r, state, params)
     jobs = tuple(Job(prompt, nth_seed(params, j), cut, keep_start) for j in range(r.n))
     # vLLM's echo: the last message's content, when it is the role the answer takes.
@@ -376,6 +377,16 @@ def chat_jobs(r: ChatRequest, state: State) -> Parsed:
     return Parsed(jobs, stream=r.stream, options={"n": r.n, "logprobs": r.logprobs,
                                                   "usage": usage, "max_key": key,
                                                   "echoed": echoed, **extra})  # fmt: skip
+
+
+def render_chat(chat, messages: list[dict], **options) -> str:
+    """The chat template's prompt; whatever stops it (its own raise_exception, a Jinja fault,
+    its time or size budget, a recursion) is this request's 400 naming `messages`."""
+    try:
+        return chat.render(messages, **options)
+    except Exception as e:
+        raise ApiError(STATUS, f"messages: the chat template refused them: {e}",
+                       field="messages") from None  # fmt: skip
 
 
 def message_list(messages: list[Message]) -> list[dict]:

@@ -9,6 +9,7 @@ GET /v1/models. Log-probabilities: completions return OpenAI's legacy object (`t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 
@@ -16,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .. import __version__
-from .api import ApiError, Parsed, finite, openai_error, read_json
+from .api import ApiError, Parsed, finite, json_off_loop, openai_error, read_json
 from .oai import NAMES, STATUS, parse_batch_chat, parse_chat, parse_completions
 from .streams import State, Submission, unix_time
 
@@ -81,7 +82,8 @@ def make_router(state: State) -> APIRouter:
 
     async def start(request: Request, parse):
         state.require_ready()
-        parsed = parse(await request.body(), state)
+        # Parsing renders chat templates and reads up to a megabyte of JSON: a worker's job.
+        parsed = await asyncio.to_thread(parse, await request.body(), state)
         names = {**NAMES, "max_new_tokens": parsed.options.get("max_key", "max_tokens")}
         return parsed, await Submission.create(state, parsed.jobs, status=STATUS, names=names)
 
@@ -110,7 +112,7 @@ def make_router(state: State) -> APIRouter:
             state.count(request, 499)
             return JSONResponse({}, status_code=499)
         state.count(request, 200)
-        return JSONResponse(body(parsed, sub, done, cid, created))
+        return await json_off_loop(lambda: body(parsed, sub, done, cid, created))
 
     @router.post("/v1/completions", openapi_extra={"x-mpinfer-body": "CompletionRequest"})
     async def completions(request: Request):

@@ -14,7 +14,10 @@ never a crashed server. What is not here: request parsing (api.py, oai.py), the 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
 
 from fastapi import FastAPI, Request
@@ -22,17 +25,19 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from .. import __version__
 from . import oairoutes, tgi
 from .api import ApiError, Body, openai_error, read_json, tgi_error, validate
 from .guard import BodyTooLarge, Guard, resolve_api_key
-from .oai import Message, OpenAIError, fail, message_list
+from .oai import Message, OpenAIError, fail, message_list, render_chat
 from .openapi import describe
 from .streams import State
 
 log = logging.getLogger("mpinfer")
-OPENAI_SHAPED = ("/tokenize", "/detokenize", "/tokenizer_info")  # vLLM's routes, vLLM's errors
+WORKER_THREADS = 32
+OPENAI_SHAPED = ("/tokenize", "/detokenize", "/tokenizer_info", "/invocations")  # vLLM's
 
 
 def error_response(request: Request, e: ApiError, state: State | None = None) -> JSONResponse:
@@ -46,8 +51,18 @@ def build_app(state: State) -> FastAPI:
     # Swagger UI and ReDoc load their scripts from a CDN: a blank page offline, and a page
     # that runs third-party code; on only with server.docs (/openapi.json is always there).
     docs = state.cfg.server.docs
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        # Parsing, chat templates, tokenizing and large answers run on worker threads: enough
+        # of them that a few slow requests do not queue the rest (asyncio's default: cores + 4).
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="http-work")
+        )
+        yield
+
     app = FastAPI(title="mpinfer", version=__version__, docs_url="/docs" if docs else None,
-                  redoc_url="/redoc" if docs else None,
+                  redoc_url="/redoc" if docs else None, lifespan=lifespan,
                   description="BLOOM-class models with int8 weights and tensor parallelism: "
                   "TGI and OpenAI-compatible routes.")  # fmt: skip
     cfg = state.cfg.server
@@ -63,6 +78,13 @@ def build_app(state: State) -> FastAPI:
     async def http_error(request: Request, exc: HTTPException):
         return error_response(request, ApiError(exc.status_code, str(exc.detail),
                                                 kind="not_found"), state)  # fmt: skip
+
+    @app.exception_handler(ClientDisconnect)
+    async def went_away(request: Request, exc: ClientDisconnect):
+        # An upload aborted mid-body: nobody to answer; counted as 499, a line at debug level.
+        log.debug("%s: the client left before its body arrived", request.url.path)
+        state.count(request, 499)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def any_error(request: Request, exc: Exception):
@@ -140,26 +162,28 @@ def build_app(state: State) -> FastAPI:
 
     @app.post("/tokenize", openapi_extra={"x-mpinfer-body": "TokenizeRequest"})
     async def tokenize(request: Request):
-        try:
-            r = tokenizer_request(TokenizeRequest, await request.body())
-            if r.messages is not None:  # vLLM's chat form: the rendered prompt's tokens
-                if r.prompt is not None:
-                    fail("messages", "give prompt or messages, not both")
-                text = state.chat.render(
-                    message_list(r.messages),
-                    add_generation_prompt=r.add_generation_prompt,
-                    continue_final_message=r.continue_final_message,
-                )
-            else:
-                text = r.prompt or ""
-            ids = state.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
-            out = {"tokens": ids, "count": len(ids), "max_model_len": cfg.max_seq_len}
-            if r.return_token_strs:
-                out["token_strs"] = [state.tokenizer.decode([i], skip_special_tokens=False)
-                                     for i in ids]  # fmt: skip
-            return out
+        body = await request.body()
+        try:  # a megabyte of text or a chat template: on a worker thread, not the event loop
+            return await asyncio.to_thread(tokenized, body)
         except ApiError as e:
             return error_response(request, e, state)
+
+    def tokenized(body: bytes) -> dict:
+        r = tokenizer_request(TokenizeRequest, body)
+        if r.messages is not None:  # vLLM's chat form: the rendered prompt's tokens
+            if r.prompt is not None:
+                fail("messages", "give prompt or messages, not both")
+            text = render_chat(state.chat, message_list(r.messages),
+                               add_generation_prompt=r.add_generation_prompt,
+                               continue_final_message=r.continue_final_message)  # fmt: skip
+        else:
+            text = r.prompt or ""
+        ids = state.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        out = {"tokens": ids, "count": len(ids), "max_model_len": cfg.max_seq_len}
+        if r.return_token_strs:
+            out["token_strs"] = [state.tokenizer.decode([i], skip_special_tokens=False)
+                                 for i in ids]  # fmt: skip
+        return out
 
     @app.post("/detokenize", openapi_extra={"x-mpinfer-body": "DetokenizeRequest"})
     async def detokenize(request: Request):

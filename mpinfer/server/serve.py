@@ -69,7 +69,7 @@ def serve_main(argv: list[str] | None = None) -> int:
 def start_http(state: State, cfg: RunConfig) -> tuple[uvicorn.Server, threading.Thread]:
     s = cfg.server
     config = uvicorn.Config(build_app(state), host=s.host, port=s.port, log_level="warning",
-                            access_log=False, http=protocol_for(s),
+                            access_log=False, http=protocol_for(s, state.closed_connections),
                             h11_max_incomplete_event_size=s.max_header_bytes,
                             timeout_keep_alive=max(1, int(s.idle_timeout_s)))  # fmt: skip
     server = uvicorn.Server(config)

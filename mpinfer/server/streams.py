@@ -67,6 +67,13 @@ class EngineMetrics:
              e.scheduler.blocks.preemptions if e else 0),
         ):  # fmt: skip
             yield kind(name, doc, value=value)
+        closed = CounterMetricFamily("mpinfer_connections_closed", "connections the server "
+                                     "closed, by reason: idle, slow_request (the body did not "
+                                     "arrive in time), evicted (at the cap), over_cap",
+                                     labels=["reason"])  # fmt: skip
+        for reason, n in sorted(st.closed_connections.items()):
+            closed.add_metric([reason], n)
+        yield closed
         requests = CounterMetricFamily("mpinfer_requests", "answered requests by route template "
                                        "and status", labels=["route", "status"])  # fmt: skip
         with st.lock:
@@ -130,6 +137,7 @@ class State:
                               "time per output token after the first")  # fmt: skip
         self.latency = histogram("mpinfer_request_latency_seconds", "request latency")
         self.cancelled = 0
+        self.closed_connections: dict[str, int] = {}  # reason -> count (guard.py's)
         self.stall_logged = False
         self.lock = threading.Lock()
         self.dispatcher: Dispatcher | None = None

@@ -14,6 +14,7 @@ HTTP app (routes.py), shared parsing (api.py).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from typing import Literal
@@ -122,7 +123,8 @@ def make_router(state: State) -> APIRouter:
     async def handle(request: Request, stream: bool | None):
         try:
             state.require_ready()
-            parsed = parse_tgi(await request.body(), state, stream=stream)
+            parsed = await asyncio.to_thread(parse_tgi, await request.body(), state,
+                                             stream=stream)  # fmt: skip
             sub = await Submission.create(
                 state, parsed.jobs, status=STATUS, names={"prompt": "inputs"}
             )
@@ -139,6 +141,9 @@ def make_router(state: State) -> APIRouter:
             return JSONResponse(api.tgi_error(e), status_code=e.status)
         if done is None:  # the client went away
             return JSONResponse({}, status_code=499)
+        return await api.json_off_loop(lambda: answer(parsed, sub, done, request.url.path))
+
+    def answer(parsed: api.Parsed, sub: Submission, done, path: str):
         prefix = parsed.options["prompt"] if parsed.options["return_full_text"] else ""
         ids = sub.prompt_ids[0]
         # best_of: the sequence with the highest log-probability, the others beside it.
@@ -152,7 +157,7 @@ def make_router(state: State) -> APIRouter:
                     {"generated_text": prefix + done[i][0].text,
                      **details(state, parsed, ids, *done[i])} for i in order[1:]
                 ]  # fmt: skip
-        return JSONResponse([out] if request.url.path == "/" else out)
+        return [out] if path == "/" else out
 
     async def stream_events(request: Request, sub: Submission, parsed: api.Parsed):
         held, index = None, 0  # one event behind: the last token carries generated_text
