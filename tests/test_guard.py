@@ -15,6 +15,8 @@ import httpx
 import psutil
 import pytest
 
+from mpinfer.server.chat import DEFAULT_TEMPLATE
+
 from .conftest import Server
 
 LIMITS = ("server.max_seq_len=2048", "server.max_batch_slots=2", "server.max_queue=64",
@@ -22,9 +24,18 @@ LIMITS = ("server.max_seq_len=2048", "server.max_batch_slots=2", "server.max_que
           "server.max_jobs_per_request=16", "server.max_body_bytes=1100000")  # fmt: skip
 
 
+# A checkpoint's template that passes the start-up check (4 messages) and then loops on a
+# 5-message chat: the default template's lines, and a bomb behind a length test.
+BOMB = (DEFAULT_TEMPLATE + "{% if messages|length > 4 %}{% for m in messages %}"
+        "{% for i in range(100000) %}{% for j in range(100000) %}{{ m.role }}{% endfor %}"
+        "{% endfor %}{% endfor %}{% endif %}")  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def guarded(ckpts):
-    s = Server(ckpts["st_sharded"], *LIMITS)
+def guarded(ckpts, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "bomb.jinja"
+    template.write_text(BOMB)
+    s = Server(ckpts["st_sharded"], *LIMITS, f"server.chat_template={str(template)!r}")
     yield s
     s.stop()
 
@@ -269,6 +280,83 @@ def test_clients_that_never_finish_a_request_cannot_hold_the_cap(guarded):
     evicted = after.get("evicted", 0) - before.get("evicted", 0)
     assert slow + evicted >= 38 and slow >= 30 and timed_out >= 30, (slow, evicted, timed_out)
     assert health_ok(guarded)
+
+
+def test_a_chat_template_that_loops_is_that_requests_400(guarded):
+    """The bomb above on a 5-message chat: a 400 naming the template's budget after about a
+    second, while /health and another client's chat go on; a 4-message chat renders."""
+    msgs = [{"role": "user", "content": "hi"}] * 5
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=httpx.post(
+        guarded.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2},
+        timeout=30)))  # fmt: skip
+    t0 = time.perf_counter()
+    t.start()
+    worst = 0.0
+    while t.is_alive():
+        t1 = time.perf_counter()
+        assert health_ok(guarded)
+        worst = max(worst, time.perf_counter() - t1)
+        time.sleep(0.05)
+    t.join()
+    r = result["r"]
+    assert r.status_code == 400 and "budget" in r.json()["error"]["message"], r.text
+    assert time.perf_counter() - t0 < 5 and worst < 0.5, worst
+    ok = httpx.post(guarded.url + "/v1/chat/completions", timeout=30,
+                    json={"messages": msgs[:4], "max_tokens": 2})  # fmt: skip
+    assert ok.status_code == 200
+    r = httpx.post(guarded.url + "/tokenize", json={"messages": msgs}, timeout=30)
+    assert r.status_code == 400 and "budget" in r.text
+
+
+def test_a_megabyte_tokenize_runs_off_the_event_loop(guarded, ckpts):
+    """Four /tokenize calls of 1 MB at once: /health keeps answering (measured against one
+    encode of the same text on this machine, as the prompt test above)."""
+    from tokenizers import Tokenizer
+
+    text = " ".join(f"w{i % 5000}" for i in range(180_000))[:1_000_000]
+    tok = Tokenizer.from_file(str(ckpts["st_sharded"] / "tokenizer.json"))
+    counts = []
+
+    def post():
+        r = httpx.post(guarded.url + "/tokenize", json={"prompt": text}, timeout=120)
+        counts.append(r.json()["count"])
+
+    threads = [threading.Thread(target=post) for _ in range(4)]
+    for t in threads:
+        t.start()
+    t0 = time.perf_counter()
+    want = len(tok.encode(text, add_special_tokens=False).ids)
+    encode_s = time.perf_counter() - t0
+    slowest = []
+    while any(t.is_alive() for t in threads):
+        t0 = time.perf_counter()
+        httpx.get(guarded.url + "/health", timeout=30)
+        slowest.append(time.perf_counter() - t0)
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert counts == [want] * 4
+    assert slowest and max(slowest) < 0.2 + 0.5 * encode_s, (max(slowest), encode_s)
+
+
+def test_uploads_aborted_mid_body_are_499s_not_logged_500s(guarded):
+    def count(status: str) -> float:
+        found = re.findall(r'mpinfer_requests_total\{route="/v1/completions",status="' + status
+                           + r'"\} (\S+)', httpx.get(guarded.url + "/metrics").text)  # fmt: skip
+        return float(found[0]) if found else 0.0
+
+    before, log_before = count("499"), len(guarded.output())
+    for _ in range(50):
+        with socket.create_connection(("127.0.0.1", guarded.port)) as s:
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: "
+                b'application/json\r\ncontent-length: 1000\r\n\r\n{"prompt":'
+            )
+            time.sleep(0.01)
+    time.sleep(1)
+    assert count("499") - before == 50 and count("500") == 0
+    assert len(guarded.output()) - log_before < 2000, guarded.output()[log_before:][:2000]
 
 
 def test_a_stopped_rank_turns_health_to_503_long_before_the_timeout(ckpts):

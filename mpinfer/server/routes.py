@@ -29,7 +29,7 @@ from starlette.requests import ClientDisconnect
 
 from .. import __version__
 from . import oairoutes, tgi
-from .api import ApiError, Body, openai_error, read_json, tgi_error, validate
+from .api import ApiError, Body, json_off_loop, openai_error, read_json, tgi_error, validate
 from .guard import BodyTooLarge, Guard, resolve_api_key
 from .oai import Message, OpenAIError, fail, message_list, render_chat
 from .openapi import describe
@@ -164,7 +164,7 @@ def build_app(state: State) -> FastAPI:
     async def tokenize(request: Request):
         body = await request.body()
         try:  # a megabyte of text or a chat template: on a worker thread, not the event loop
-            return await asyncio.to_thread(tokenized, body)
+            return await json_off_loop(lambda: tokenized(body))  # built and written there
         except ApiError as e:
             return error_response(request, e, state)
 
