@@ -124,6 +124,7 @@ class ServerConfig:
     max_connections: int = 512
     idle_timeout_s: float = 10.0
     request_timeout_s: float = 30.0  # a request's body must have arrived by then
+    max_stream_backlog: int = 4096  # events waiting for a client that does not read its stream
     # Extra Host header names accepted when bound to loopback (comma-separated; "*": any).
     allowed_hosts: str = ""
     # Engine jobs one request may ask for (prompts x n x best_of).
@@ -201,7 +202,8 @@ class RunConfig:
         s = self.server
         for key in ("max_batch_slots", "max_seq_len", "max_queue", "max_body_bytes",
                     "max_prefill_tokens", "max_header_bytes", "max_connections",
-                    "idle_timeout_s", "request_timeout_s", "max_jobs_per_request",
+                    "idle_timeout_s", "request_timeout_s", "max_stream_backlog",
+                    "max_jobs_per_request",
                     "stall_timeout_s"):  # fmt: skip
             if getattr(s, key) <= 0:
                 raise ValueError(f"server.{key}={getattr(s, key)} must be > 0")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -398,3 +399,48 @@ def test_sigterm_drains_and_every_rank_exits_0(limited):
     assert result["tokens"] == 250
     assert limited.proc.wait(timeout=60) == 0, limited.output()[-3000:]
     assert "exitcode" not in limited.output()
+
+
+def test_a_stream_nobody_reads_is_cancelled_and_its_memory_let_go(server):
+    """64 streamed generations (with logprobs, about 1 KB an event) to a client that never
+    reads: once the socket buffers are full and more than server.max_stream_backlog (512)
+    events wait, the generations are cancelled (their slots free), the stream ends with a 408
+    error, rank 0's memory is back where it was, and other clients were served meanwhile."""
+    import psutil
+
+    rank0 = psutil.Process(server.ranks[0].pid)
+    rss = rank0.memory_info().rss
+    dropped = server.metric("mpinfer_dropped_streams_total")
+    body = json.dumps({"prompt": ["a", "b", "c", "d"], "n": 16, "max_tokens": 250,
+                       "stream": True, "ignore_eos": True, "logprobs": 5}).encode()  # fmt: skip
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", server.port))
+    try:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: "
+            b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        deadline = time.time() + 60
+        while server.metric("mpinfer_dropped_streams_total") == dropped and time.time() < deadline:
+            other = httpx.post(
+                server.url + "/generate",
+                timeout=30,
+                json={"inputs": "river", "parameters": {"max_new_tokens": 2}},
+            )
+            assert other.status_code == 200
+            time.sleep(0.2)
+        assert server.metric("mpinfer_dropped_streams_total") == dropped + 1
+        while server.metric("mpinfer_running_slots") > 0 and time.time() < deadline:
+            time.sleep(0.1)
+        assert server.metric("mpinfer_running_slots") == 0
+        s.settimeout(5)
+        tail = b""
+        while not tail.endswith(b"\r\n0\r\n\r\n"):  # the stream's last chunk
+            chunk = s.recv(1 << 20)
+            assert chunk, tail
+            tail = (tail + chunk)[-2000:]
+    finally:
+        s.close()
+    assert b"read its stream too slowly" in tail and b'"code": 408' in tail
+    assert rank0.memory_info().rss - rss < 64 * 2**20

@@ -51,6 +51,8 @@ class EngineMetrics:
              e.failed_requests if e else 0),
             ("mpinfer_cancelled_requests", CounterMetricFamily,
              "requests whose client went away", st.cancelled),
+            ("mpinfer_dropped_streams", CounterMetricFamily,
+             "streams cancelled because their client did not read them", st.dropped_streams),
             ("mpinfer_kv_blocks_used", GaugeMetricFamily, "KV-cache blocks held by sequences",
              e.scheduler.blocks.pool.used if e else 0),
             ("mpinfer_kv_blocks_free", GaugeMetricFamily,
@@ -92,10 +94,13 @@ class Dispatcher:
         self.lock = threading.Lock()
         self.scheduled = False
 
-    def sink(self, queue: asyncio.Queue, tag: int):
+    def sink(self, queue: asyncio.Queue, tag: int, overflow=None):
+        """The engine's callback for one job's events; `overflow(size)` runs on the loop after
+        each event put in the job's queue (its size then)."""
+
         def put(ev: Event) -> None:
             with self.lock:
-                self.items.append((queue, tag, ev))
+                self.items.append((queue, tag, ev, overflow))
                 if self.scheduled:
                     return
                 self.scheduled = True
@@ -107,8 +112,10 @@ class Dispatcher:
         with self.lock:
             items, self.items = self.items, collections.deque()
             self.scheduled = False
-        for queue, tag, ev in items:
+        for queue, tag, ev, overflow in items:
             queue.put_nowait((tag, ev))
+            if overflow is not None:
+                overflow(queue.qsize())
 
 
 class State:
@@ -138,6 +145,7 @@ class State:
         self.latency = histogram("mpinfer_request_latency_seconds", "request latency")
         self.cancelled = 0
         self.closed_connections: dict[str, int] = {}  # reason -> count (guard.py's)
+        self.dropped_streams = 0
         self.stall_logged = False
         self.lock = threading.Lock()
         self.dispatcher: Dispatcher | None = None
@@ -211,11 +219,12 @@ class Submission:
         self.prompt_ids: list[list[int]] = []
         self.done = [False] * n_jobs
         self.reqs = []
+        self.dropped = False
 
     def submit(self, jobs: tuple[Job, ...], status: int, names: dict) -> None:
         """Tokenize and queue every job (on a worker thread for text prompts)."""
         state = self.state
-        sinks = [state.dispatcher.sink(self.queue, i) for i in range(len(jobs))]
+        sinks = [state.dispatcher.sink(self.queue, i, self.drop) for i in range(len(jobs))]
         self.prompt_ids = tokenize(state, jobs, status, names)
         try:
             self.reqs = state.engine.submit_all(
@@ -234,6 +243,20 @@ class Submission:
             if not done:
                 self.state.engine.cancel(req)
 
+    def drop(self, waiting: int) -> None:
+        """Past `server.max_stream_backlog` events waiting, the client is not reading its
+        stream: cancel its generations, let go of what waits for it, and end the stream with
+        an error (an unread stream holds a bounded part of rank 0's memory)."""
+        if self.dropped or waiting <= self.state.cfg.server.max_stream_backlog:
+            return
+        self.dropped = True
+        self.cancel()
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.queue.put_nowait((-1, Event("error", error="dropped")))
+        with self.state.lock:
+            self.state.dropped_streams += 1
+
     async def events(self, request):
         """(job index, token or done Event) until every job is done; a failed job raises
         ApiError 500; if the client goes away (or the consumer stops), the rest is cancelled."""
@@ -250,6 +273,13 @@ class Submission:
                     i, ev = await asyncio.wait_for(self.queue.get(), timeout=0.5)
                 except asyncio.TimeoutError:
                     continue
+                if self.dropped:
+                    left = 0
+                    most = self.state.cfg.server.max_stream_backlog
+                    raise ApiError(408, f"the client read its stream too slowly: more than "
+                                   f"{most} events waited for it (server.max_stream_backlog), "
+                                   "its generations were cancelled",
+                                   kind="slow_reader")  # fmt: skip
                 if ev.kind == "error":
                     self.done[i] = True
                     raise ApiError(500, f"generation failed: {ev.error}", kind="generation")
