@@ -125,6 +125,10 @@ class ServerConfig:
     idle_timeout_s: float = 10.0
     request_timeout_s: float = 30.0  # a request's body must have arrived by then
     max_stream_backlog: int = 4096  # events waiting for a client that does not read its stream
+    # What one request may ask the sampler and the answer to carry (its cost to everyone else)
+    max_logit_bias: int = 1024  # logit_bias entries
+    max_token_ids: int = 4096  # allowed_token_ids, stop_token_ids
+    max_logprob_entries: int = 262144  # log-probabilities (chosen + alternatives) in one answer
     # Extra Host header names accepted when bound to loopback (comma-separated; "*": any).
     allowed_hosts: str = ""
     # Engine jobs one request may ask for (prompts x n x best_of).
@@ -203,6 +207,7 @@ class RunConfig:
         for key in ("max_batch_slots", "max_seq_len", "max_queue", "max_body_bytes",
                     "max_prefill_tokens", "max_header_bytes", "max_connections",
                     "idle_timeout_s", "request_timeout_s", "max_stream_backlog",
+                    "max_logit_bias", "max_token_ids", "max_logprob_entries",
                     "max_jobs_per_request",
                     "stall_timeout_s"):  # fmt: skip
             if getattr(s, key) <= 0:

@@ -18,6 +18,7 @@ them. What is not here: stop conditions and text (engine.py, detok.py).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -64,6 +65,18 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: these tokens end the request (as EOS does)
     skip_special_tokens: bool = True  # the generated text leaves special tokens out
     include_stop_str_in_output: bool = False  # the text ends with the stop string that ended it
+
+    @functools.cached_property
+    def token_lists(self) -> TokenLists:
+        """logit_bias, allowed_token_ids and stop_token_ids as tensors, made once per request
+        (not once per step: a request may name thousands of tokens)."""
+        ids = [t for t, _ in self.logit_bias]
+        return TokenLists(
+            bias_ids=torch.tensor(ids, dtype=torch.long),
+            bias=torch.tensor([b for _, b in self.logit_bias], dtype=torch.float32),
+            allowed=torch.tensor(self.allowed_token_ids, dtype=torch.long),
+            stop=torch.tensor(self.stop_token_ids, dtype=torch.long),
+        )
 
     @property
     def greedy(self) -> bool:
@@ -148,6 +161,23 @@ TEMP, TOP_K, TOP_P, TYPICAL, REP, FREQ, PRES, U, GREEDY, BLOCK_EOS, MIN_P = rang
 
 
 @dataclass(frozen=True)
+class TokenLists:
+    """A request's token lists on the host (SamplingParams.token_lists)."""
+
+    bias_ids: torch.Tensor
+    bias: torch.Tensor
+    allowed: torch.Tensor
+    stop: torch.Tensor
+
+
+def by_row(pairs: list[tuple[int, torch.Tensor]]):
+    """(row index per entry, the entries): rows' lists joined, without a Python loop over the
+    entries themselves."""
+    rows = torch.cat([torch.full((len(v),), i, dtype=torch.long) for i, v in pairs])
+    return rows, torch.cat([v for _, v in pairs])
+
+
+@dataclass(frozen=True)
 class Needs:
     """Which processors a batch needs, decided on the host (reading the device would wait for
     the step in flight)."""
@@ -156,13 +186,13 @@ class Needs:
     top_k: int = 0  # the largest k of the batch's top-k rows (0: none)
     typical: bool = False
     block_eos: tuple[int, ...] = ()  # rows where EOS may not end the request yet
-    # (row, token) of stop_token_ids that may not be generated yet (min_tokens, as vLLM)
-    block_stop: tuple[tuple[int, int], ...] = ()
     history: bool = False  # some row has a penalty: the per-slot history is read
     min_p: bool = False
-    # logit_bias as (row, token, bias) triples; allowed_token_ids as (row, token) pairs
-    bias: tuple[tuple[int, int, float], ...] = ()
-    allowed: tuple[tuple[int, int], ...] = ()
+    # (rows, tokens) host tensors: stop_token_ids that may not be generated yet (min_tokens,
+    # as vLLM), allowed_token_ids; (rows, tokens, biases) of logit_bias; None when no row has any
+    block_stop: tuple[torch.Tensor, torch.Tensor] | None = None
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def row_table(rows: list[Row], vocab_size: int) -> tuple[torch.Tensor, Needs]:
@@ -182,21 +212,25 @@ def row_table(rows: list[Row], vocab_size: int) -> tuple[torch.Tensor, Needs]:
             float(greedy), float(r.index < p.min_tokens), 0.0 if greedy else p.min_p,
         ])  # fmt: skip
     top_k = [int(row[TOP_K]) for row in table if row[TOP_K] < vocab_size]
+    stop = [(i, r.params.token_lists.stop) for i, r in enumerate(rows)
+            if r.index < r.params.min_tokens and r.params.stop_token_ids]  # fmt: skip
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+    allowed = [(i, r.params.token_lists.allowed) for i, r in enumerate(rows)
+               if r.params.allowed_token_ids]  # fmt: skip
+    bias = None
+    if biased:
+        rows_, ids = by_row([(i, rows[i].params.token_lists.bias_ids) for i in biased])
+        bias = (rows_, ids, torch.cat([rows[i].params.token_lists.bias for i in biased]))
     needs = Needs(
         top_p=any(row[TOP_P] < 1 for row in table),
         top_k=max(top_k, default=0),
         typical=any(row[TYPICAL] < 1 for row in table),
         block_eos=tuple(i for i, row in enumerate(table) if row[BLOCK_EOS]),
-        block_stop=tuple(
-            (i, tok)
-            for i, r in enumerate(rows)
-            if r.index < r.params.min_tokens
-            for tok in r.params.stop_token_ids
-        ),  # fmt: skip
+        block_stop=by_row(stop) if stop else None,
         history=any(r.params.uses_history for r in rows),
         min_p=any(row[MIN_P] > 0 for row in table),
-        bias=tuple((i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias),
-        allowed=tuple((i, t) for i, r in enumerate(rows) for t in r.params.allowed_token_ids),
+        bias=bias,
+        allowed=by_row(allowed) if allowed else None,
     )
     return torch.tensor(table, dtype=torch.float64), needs
 
@@ -219,15 +253,14 @@ def process_logits(
     (n, V) generated-token counts (both when `needs.history`)."""
     n, V = x.shape
     col = lambda c: t[:, c : c + 1].to(x.dtype)  # noqa: E731  (n, 1)
-    if needs.bias:
-        rows, toks, values = zip(*needs.bias)
-        where = (to_device(rows, x.device), to_device(toks, x.device))
-        x = x.index_put(where, to_device(values, x.device, x.dtype), accumulate=True)
-    if needs.allowed:
-        rows, toks = zip(*needs.allowed)
+    if needs.bias is not None:
+        rows, toks, values = (v.to(x.device, non_blocking=True) for v in needs.bias)
+        x = x.index_put((rows, toks), values.to(x.dtype), accumulate=True)
+    if needs.allowed is not None:
+        rows, toks = (v.to(x.device, non_blocking=True) for v in needs.allowed)
         keep = torch.ones_like(x, dtype=torch.bool)
-        keep[to_device(sorted(set(rows)), x.device)] = False
-        keep[to_device(rows, x.device), to_device(toks, x.device)] = True
+        keep[rows] = False
+        keep[rows, toks] = True
         x = x.masked_fill(~keep, float("-inf"))
     if needs.history:
         used = seen | (counts > 0)
@@ -238,8 +271,8 @@ def process_logits(
         rows = to_device(needs.block_eos, x.device)
         cols = torch.full_like(rows, eos_token_id)
         x = x.index_put((rows, cols), torch.full_like(cols, -1, dtype=x.dtype) * float("inf"))
-    if needs.block_stop:
-        rows, toks = (to_device(v, x.device) for v in zip(*needs.block_stop))
+    if needs.block_stop is not None:
+        rows, toks = (v.to(x.device, non_blocking=True) for v in needs.block_stop)
         x = x.index_put((rows, toks), torch.full_like(rows, -1, dtype=x.dtype) * float("inf"))
     y = x / col(TEMP)
     if needs.top_p:

@@ -186,19 +186,23 @@ def common_params(r: OpenAIFields, state: State, max_key: str, max_new: int | No
         usage = r.stream_options.model_dump()
     params = sampling_params(r, state.cfg.generation, max_new_key=max_key, max_new=max_new,
                              sample_default=True, names=NAMES, status=STATUS)  # fmt: skip
+    most = state.cfg.server.max_token_ids
     params = dataclasses.replace(
-        params, logit_bias=logit_bias(r.logit_bias, vocab),
-        allowed_token_ids=token_ids(r.allowed_token_ids, "allowed_token_ids", vocab),
-        stop_token_ids=token_ids(r.stop_token_ids, "stop_token_ids", vocab),
+        params, logit_bias=logit_bias(r.logit_bias, vocab, state.cfg.server.max_logit_bias),
+        allowed_token_ids=token_ids(r.allowed_token_ids, "allowed_token_ids", vocab, most),
+        stop_token_ids=token_ids(r.stop_token_ids, "stop_token_ids", vocab, most),
         min_p=r.min_p, skip_special_tokens=r.skip_special_tokens,
         include_stop_str_in_output=r.include_stop_str_in_output,
     )  # fmt: skip
     return params, usage
 
 
-def logit_bias(raw: dict | None, vocab: int) -> tuple[tuple[int, float], ...]:
-    """OpenAI's map of token id (a string) -> bias in [-100, 100]; the 400 names every bad key."""
+def logit_bias(raw: dict | None, vocab: int, most: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token id (a string) -> bias in [-100, 100], at most `most` entries
+    (server.max_logit_bias); the 400 names every bad key."""
     raw = raw or {}
+    if len(raw) > most:
+        fail("logit_bias", f"at most {most} entries (server.max_logit_bias), got {len(raw)}")
     bad = [k for k in raw if not (k.isascii() and k.isdigit() and len(k) <= 12
                                   and int(k) < vocab)]  # fmt: skip
     if bad:
@@ -213,11 +217,15 @@ def logit_bias(raw: dict | None, vocab: int) -> tuple[tuple[int, float], ...]:
     return tuple((int(k), float(v)) for k, v in raw.items())
 
 
-def token_ids(ids: list[int] | None, key: str, vocab: int) -> tuple[int, ...]:
+def token_ids(ids: list[int] | None, key: str, vocab: int, most: int = 0) -> tuple[int, ...]:
+    """A list of token ids in the vocabulary, each kept once, at most `most` of them (0: any
+    number; server.max_token_ids)."""
+    if most and len(ids or ()) > most:
+        fail(key, f"at most {most} token ids (server.max_token_ids), got {len(ids)}")
     bad = [t for t in ids or () if t >= vocab]
     if bad:
         fail(key, f"token ids must be integers in [0, {vocab}): {bad[:5]}")
-    return tuple(ids or ())
+    return tuple(dict.fromkeys(ids or ()))
 
 
 def parse_completions(body: bytes, state: State) -> Parsed:

@@ -226,6 +226,7 @@ class Submission:
         state = self.state
         sinks = [state.dispatcher.sink(self.queue, i, self.drop) for i in range(len(jobs))]
         self.prompt_ids = tokenize(state, jobs, status, names)
+        check_logprob_entries(state, jobs, self.prompt_ids, status, names)
         try:
             self.reqs = state.engine.submit_all(
                 [(ids, job.params, sink) for ids, job, sink in zip(self.prompt_ids, jobs, sinks)]
@@ -321,6 +322,25 @@ def tokenize(state: State, jobs: tuple[Job, ...], status: int, names: dict) -> l
             ids = ids[: job.truncate] if job.keep_start else ids[-job.truncate :]
         out.append(list(ids))
     return out
+
+
+def check_logprob_entries(state: State, jobs, prompt_ids, status: int, names: dict) -> None:
+    """The log-probabilities one answer would carry (every prompt token and every generated one
+    with their alternatives, when asked) against server.max_logprob_entries: a 127 KB prompt
+    with echo and logprobs made a 66 MB answer."""
+    entries = 0
+    for job, ids in zip(jobs, prompt_ids):
+        p = job.params
+        if p.prompt_logprobs >= 0:
+            entries += len(ids) * (1 + p.prompt_logprobs)
+        if p.top_n:
+            entries += p.max_new_tokens * (1 + p.top_n)
+    most = state.cfg.server.max_logprob_entries
+    if entries > most:
+        key = names.get("prompt_logprobs", "logprobs")
+        raise ApiError(status, f"{key}: this request asks for {entries} log-probabilities "
+                       "(tokens x (1 + alternatives), prompt and answer, every choice); at most "
+                       f"{most} (server.max_logprob_entries)", field=key)  # fmt: skip
 
 
 def unix_time() -> int:

@@ -126,7 +126,10 @@ def make_router(state: State) -> APIRouter:
             parsed = await asyncio.to_thread(parse_tgi, await request.body(), state,
                                              stream=stream)  # fmt: skip
             sub = await Submission.create(
-                state, parsed.jobs, status=STATUS, names={"prompt": "inputs"}
+                state,
+                parsed.jobs,
+                status=STATUS,
+                names={"prompt": "inputs", "prompt_logprobs": "parameters.decoder_input_details"},
             )
         except api.ApiError as e:
             state.count(request, e.status)
