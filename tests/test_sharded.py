@@ -213,3 +213,26 @@ def test_a_model_directory_that_lies_is_refused_before_anything_is_allocated(ckp
     (tok / "tokenizer.json").write_text("not json")
     with pytest.raises(ValueError, match="tokenizer.json is not a tokenizer file"):
         load_tokenizer(str(tok))
+
+
+def test_sharding_again_after_the_source_changed_rewrites_the_output(ckpts, tmp_path):
+    """The same output directory, the source's weights rewritten to the same sizes (other
+    values): not "already complete", and the new files hold the new weights."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(ckpts["st_sharded"], src)
+    out = tmp_path / "out"
+    shard_checkpoint(str(src), str(out), tp_size=2, quant="int8", progress=False)
+    before = (out / rank_file(0, 2)).read_bytes()
+    for f in sorted(src.glob("*.safetensors")):
+        tensors = load_file(str(f))
+        time.sleep(0.01)  # a later modification time, whatever the filesystem's resolution
+        save_file({k: (-v if v.is_floating_point() else v) for k, v in tensors.items()}, str(f),
+                  metadata={"format": "pt"})  # fmt: skip
+    shard_checkpoint(str(src), str(out), tp_size=2, quant="int8", progress=False)
+    after = (out / rank_file(0, 2)).read_bytes()
+    assert len(after) == len(before) and after != before
+    fresh = tmp_path / "fresh"
+    shard_checkpoint(str(src), str(fresh), tp_size=2, quant="int8", progress=False)
+    assert after == (fresh / rank_file(0, 2)).read_bytes()

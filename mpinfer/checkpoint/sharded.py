@@ -117,11 +117,14 @@ class StreamingSafetensorsWriter:
 
 
 def source_fingerprint(model_dir: Path) -> str:
-    """config.json's bytes and each weight file's name and size: cheap, changes when they do."""
+    """config.json's bytes and each weight file's name, size and modification time: cheap
+    (a 352 GB source is not hashed), and it changes when a file is rewritten, even to the same
+    size, so a finished or half-done output of other weights is not taken for this one's."""
     h = hashlib.sha256((model_dir / "config.json").read_bytes())
     for p in sorted(model_dir.iterdir()):
         if p.suffix in WEIGHT_SUFFIXES or p.name.endswith(".index.json"):
-            h.update(f"{p.name}:{p.stat().st_size}".encode())
+            st = p.stat()
+            h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()
 
 
