@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from mpinfer.checkpoint.sharded import MANIFEST, rank_file, shard_checkpoint
@@ -132,6 +133,26 @@ def truncate(path):
     path.write_bytes(path.read_bytes()[:-100])
 
 
+def lie(d, how: str):
+    """Rank 0's file rewritten with one weight of another shape or dtype (the same bytes), and
+    the manifest's size and hash made to match: the file is internally consistent, and wrong."""
+    from safetensors.torch import load_file, save_file
+
+    from mpinfer.checkpoint.sharded import sha256_file
+
+    path = d / rank_file(0, 2)
+    tensors = load_file(str(path))
+    name = next(k for k, v in tensors.items() if v.dtype == torch.int8 and v.dim() == 2)
+    t = tensors[name]
+    tensors[name] = t.t().contiguous() if how == "shape" else t.view(torch.uint8)
+    save_file(tensors, str(path), metadata={"format": "mpinfer"})
+    m = json.loads((d / MANIFEST).read_text())
+    for f in m["files"]:
+        if f["name"] == path.name:
+            f["bytes"], f["sha256"] = path.stat().st_size, sha256_file(path)
+    (d / MANIFEST).write_text(json.dumps(m))
+
+
 LOAD_ERRORS = {
     # case: (how the directory is broken, extra args, message on every rank)
     "world": (None, 4, [], "was sharded for tp_size=2, but the world size is 4"),
@@ -140,6 +161,8 @@ LOAD_ERRORS = {
     "altered": (lambda d: flip_last_byte(d / rank_file(1, 2)), 2, [], "sha256 does not match"),
     "version": (lambda d: set_manifest(d, version=99), 2, [], "manifest version 99"),
     "quant": (None, 2, ["--quant", "none"], "holds quant.method='int8' weights"),
+    "shape": (lambda d: lie(d, "shape"), 2, [], "the plan is"),
+    "dtype": (lambda d: lie(d, "dtype"), 2, [], "the plan is"),
 }
 
 

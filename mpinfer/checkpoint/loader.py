@@ -67,8 +67,10 @@ def build_meta_model(shape: BloomShape, tp: TPGroup, cfg: RunConfig, dtype) -> B
         return BloomModel(shape, tp, method=method, embedding_method=emb_method, dtype=dtype)
 
 
-def assign_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """Replace the meta parameter `name` with `tensor` (already on the device)."""
+def planned(model: nn.Module, name: str, tensor: torch.Tensor):
+    """(module, attribute) of the meta parameter `name`, once `tensor` is checked against it:
+    a ValueError naming the tensor when the model has no such parameter or the shape or dtype
+    differ (a checked error, not an assertion: it must hold under python -O too)."""
     module_name, _, attr = name.rpartition(".")
     try:
         module = model.get_submodule(module_name)
@@ -76,9 +78,14 @@ def assign_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     except AttributeError:
         raise ValueError(f"tensor {name}: the model has no such parameter") from None
     if old.shape != tensor.shape or old.dtype != tensor.dtype:
-        # A checked error, not an assertion: it must hold under python -O too.
         raise ValueError(f"tensor {name}: the plan is {tuple(old.shape)} {old.dtype}, the "
                          f"checkpoint gives {tuple(tensor.shape)} {tensor.dtype}")  # fmt: skip
+    return module, attr
+
+
+def assign_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Replace the meta parameter `name` with `tensor` (already on the device), checked."""
+    module, attr = planned(model, name, tensor)
     setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
 
 
@@ -113,7 +120,8 @@ def finish_model(model: BloomModel, device: torch.device, off: OffloadPlan | Non
     offloaded blocks' ring (`off`, their weights in `arena`)."""
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
-        raise RuntimeError(f"{len(left)} parameters were never loaded, e.g. {left[:3]}")
+        raise ValueError(f"{len(left)} tensors the plan needs are not in the checkpoint, e.g. "
+                         f"{left[:3]}")  # fmt: skip
     for module in model.modules():
         method = getattr(module, "method", None)
         if method is not None:
@@ -300,15 +308,23 @@ def _load_sharded(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
         log.info("loading sharded %s (tp=%d, %s)", out, tp_size, manifest["quant"]["method"])
     # Offloaded blocks' tensors are read to host memory and stay there.
     device = str(ctx.device) if ctx.device.type == "cuda" and off is None else "cpu"
-    with safe_open(str(path), framework="pt", device=device) as f:
-        for name in f.keys():
-            t = f.get_tensor(name)
-            # Tensors kept in the compute dtype were written in the source's (or --dtype's);
-            # quantized weights and their scales and offsets have a fixed dtype of their own.
-            if t.is_floating_point() and model.get_parameter(name).dtype == dtype:
-                t = t.to(dtype)
-            assign_tensor(model, name, place(name, t))
-    finish_model(model, ctx.device, off, arena)
+    error, wanted = None, {n: p.dtype for n, p in model.named_parameters()}
+    try:  # a file that passes its checksum can still disagree with the plan: every rank says so
+        with safe_open(str(path), framework="pt", device=device) as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                # Tensors kept in the compute dtype were written in the source's (or
+                # --dtype's); quantized weights and their scales and offsets have their own.
+                if t.is_floating_point() and wanted.get(name) == dtype:
+                    t = t.to(dtype)
+                planned(model, name, t)  # before it is placed anywhere
+                assign_tensor(model, name, place(name, t))
+        finish_model(model, ctx.device, off, arena)
+    except ValueError as e:
+        error = f"rank file {path}: {e}"
+    errors = [e for e in gather_everywhere(error, ctx) if e]
+    if errors:
+        raise ValueError("; ".join(errors))
     return LoadedModel(model, shape, tp, dtype, ctx.device, str(out), cfg=cfg)
 
 
