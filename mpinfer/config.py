@@ -109,6 +109,10 @@ class ServerConfig:
     kv_cache_tokens: int = 0
     # Reuse the cached blocks of a prompt's prefix that an earlier request computed.
     prefix_caching: bool = True
+    # The prefix cache's hit counters on /metrics: a client that can read them (and send
+    # requests) can tell whether another client sent a prompt it guesses; false hides them
+    # (clients can also isolate themselves with vLLM's cache_salt)
+    prefix_cache_metrics: bool = True
     # "auto": keys and values in the model's dtype, int8 when blocks are in host memory; "model":
     # the model's dtype always; "int8": int8 with a scale per token and head (about half the
     # memory: twice the tokens; docs/performance.md has its accuracy).

@@ -21,6 +21,7 @@ from .conftest import Server
 
 LIMITS = ("server.max_seq_len=2048", "server.max_batch_slots=2", "server.max_queue=64",
           "server.idle_timeout_s=2", "server.max_connections=40", "server.request_timeout_s=3",
+          "server.prefix_cache_metrics=false",
           "server.max_jobs_per_request=16", "server.max_body_bytes=1100000")  # fmt: skip
 
 
@@ -408,3 +409,14 @@ def test_the_api_key_can_come_from_the_environment_or_a_file(tmp_path, monkeypat
     (tmp_path / "empty").write_text("")
     with pytest.raises(ValueError, match="is empty"):
         resolve_api_key(f"file:{tmp_path / 'empty'}")
+
+
+def test_prefix_cache_counters_can_be_kept_off_the_metrics_page(guarded):
+    """server.prefix_cache_metrics = false: the hit counters, which would tell one client
+    whether another sent a prompt it guesses, are not on /metrics; the rest still are."""
+    body = {"inputs": "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 3,
+            "parameters": {"max_new_tokens": 1}}  # fmt: skip
+    for _ in range(2):
+        assert httpx.post(guarded.url + "/generate", json=body, timeout=30).status_code == 200
+    page = httpx.get(guarded.url + "/metrics", timeout=10).text
+    assert "mpinfer_prefix_cache_" not in page and "mpinfer_kv_blocks_used" in page

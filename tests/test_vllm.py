@@ -482,3 +482,25 @@ def test_what_one_request_may_ask_is_bounded_and_costs_others_nothing(server):
     beside = [timed() for _ in range(3)]
     attack.join()
     assert max(beside) < 2 * alone + 0.25, (alone, beside)
+
+
+def test_cache_salt_keeps_one_clients_prefixes_from_another(server):
+    """vLLM's cache_salt: a prompt another client sent (salted) shows no cache hit to a guess
+    with another salt or none, and hits for the same salt; the answers are equal throughout."""
+    prompt = [(11 * i) % 800 + 30 for i in range(70)]  # 4 full blocks of 16 and some
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0}
+
+    def hits(extra: dict) -> tuple[float, str]:
+        before = server.metric("mpinfer_prefix_cache_hit_tokens_total")
+        text = post(server, "/v1/completions", {**body, **extra})["choices"][0]["text"]
+        return server.metric("mpinfer_prefix_cache_hit_tokens_total") - before, text
+
+    first, text = hits({"cache_salt": "victim-key"})
+    assert first == 0
+    for guess in ({"cache_salt": "attacker"}, {}):
+        got, same = hits(guess)
+        assert got == 0 and same == text
+    again, same = hits({"cache_salt": "victim-key"})
+    assert again >= 64 and same == text
+    r = httpx.post(server.url + "/v1/completions", json={**body, "cache_salt": ""}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"

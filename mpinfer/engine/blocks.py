@@ -24,10 +24,12 @@ import hashlib
 from array import array
 
 
-def block_keys(tokens: list[int], block_size: int) -> list[bytes]:
+def block_keys(tokens: list[int], block_size: int, salt: str = "") -> list[bytes]:
     """The key of each full block of `tokens`: a hash of the previous block's key and the
-    block's tokens, so equal keys mean equal prefixes."""
-    keys, prev = [], b""
+    block's tokens, so equal keys mean equal prefixes; a request's `salt` (vLLM's cache_salt)
+    starts the chain, so only requests with the same salt share blocks."""
+    keys = []
+    prev = hashlib.blake2b(salt.encode(), digest_size=16).digest() if salt else b""
     for i in range(len(tokens) // block_size):
         chunk = array("q", tokens[i * block_size : (i + 1) * block_size]).tobytes()
         prev = hashlib.blake2b(prev + chunk, digest_size=16).digest()
@@ -112,7 +114,7 @@ class BlockManager:
         its prompt and what it generated), reusing cached ones; False when the pool cannot
         hold it now (`busy`: other sequences run, keep the watermark free)."""
         bs = self.block_size
-        seq.keys = block_keys(tokens, bs)
+        seq.keys = block_keys(tokens, bs, seq.req.params.cache_salt)
         usable = 0 if seq.req.params.prompt_logprobs >= 0 else (len(tokens) - 1) // bs
         hits = self.pool.lookup(seq.keys[:usable])
         new = self.blocks_for(len(tokens)) - len(hits)

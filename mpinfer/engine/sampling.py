@@ -65,6 +65,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: these tokens end the request (as EOS does)
     skip_special_tokens: bool = True  # the generated text leaves special tokens out
     include_stop_str_in_output: bool = False  # the text ends with the stop string that ended it
+    cache_salt: str = ""  # vLLM's: prefix-cache blocks are shared only with the same salt
 
     @functools.cached_property
     def token_lists(self) -> TokenLists:

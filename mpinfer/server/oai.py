@@ -78,6 +78,9 @@ class OpenAIFields(SamplingFields):
     # vLLM: with logprobs, these tokens' log-probabilities at every position, in place of the
     # most likely alternatives
     logprob_token_ids: TokenIds | None = Field(None, min_length=1, max_length=MAX_TOP_N)
+    # vLLM: the prefix cache is shared only among requests with the same salt (a client that
+    # salts its requests cannot have its prompts guessed through the cache's hits)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     # -1 is vLLM's "the whole vocabulary": refused above MAX_TOP_N, as vLLM's default refuses it.
     prompt_logprobs: int | None = Field(None, ge=-1, le=2**31)
     # vLLM: keep only this many prompt tokens (-1: as many as max_seq_len allows beside the
@@ -191,7 +194,7 @@ def common_params(r: OpenAIFields, state: State, max_key: str, max_new: int | No
         params, logit_bias=logit_bias(r.logit_bias, vocab, state.cfg.server.max_logit_bias),
         allowed_token_ids=token_ids(r.allowed_token_ids, "allowed_token_ids", vocab, most),
         stop_token_ids=token_ids(r.stop_token_ids, "stop_token_ids", vocab, most),
-        min_p=r.min_p, skip_special_tokens=r.skip_special_tokens,
+        min_p=r.min_p, skip_special_tokens=r.skip_special_tokens, cache_salt=r.cache_salt or "",
         include_stop_str_in_output=r.include_stop_str_in_output,
     )  # fmt: skip
     return params, usage

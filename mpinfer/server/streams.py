@@ -68,6 +68,8 @@ class EngineMetrics:
              "sequences sent out of the KV cache to be recomputed later",
              e.scheduler.blocks.preemptions if e else 0),
         ):  # fmt: skip
+            if name.startswith("mpinfer_prefix_cache_") and not st.cfg.server.prefix_cache_metrics:
+                continue
             yield kind(name, doc, value=value)
         closed = CounterMetricFamily("mpinfer_connections_closed", "connections the server "
                                      "closed, by reason: idle, slow_request (the body did not "
