@@ -104,15 +104,21 @@ def test_a_client_that_gives_up_on_a_plain_request_frees_its_slot(guarded):
 
 
 def test_oversized_headers_are_refused_and_cost_nothing(guarded):
-    """A 2 MB header: refused by the HTTP parser before the app (431), RSS flat, health up."""
+    """A 2 MB header: refused by the HTTP parser before the app (uvicorn answers h11's refusal
+    with a 400 and closes, often before the client has sent it all), RSS flat, health up."""
     before = rss_mib(guarded)
+    data = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 2_000_000
     with socket.create_connection(("127.0.0.1", guarded.port), timeout=10) as s:
-        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 2_000_000)
+        try:
+            for i in range(0, len(data), 65536):
+                s.sendall(data[i : i + 65536])
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # closed on us mid-header: what a parser with a limit should do
         try:
             reply = s.recv(200)
         except ConnectionResetError:
-            reply = b"reset"
-    assert not reply.startswith(b"HTTP/1.1 200"), reply
+            reply = b""
+    assert reply == b"" or reply.startswith((b"HTTP/1.1 400", b"HTTP/1.1 431")), reply
     assert health_ok(guarded)
     assert rss_mib(guarded) - before < 16
 
