@@ -55,17 +55,46 @@ class Parsed:
     options: dict = field(default_factory=dict)  # route-specific: details, echo, usage, ...
 
 
-async def json_off_loop(build, status: int = 200):
-    """The JSON answer `build()` makes, built and serialized on a worker thread: a prompt's
-    log-probabilities can be megabytes, and the event loop serves every other client meanwhile."""
-    from fastapi.responses import Response
+DUMP_SLICE = 512  # entries of a long list written by one call of the C encoder
 
-    def render() -> bytes:
-        return json.dumps(build(), ensure_ascii=False, allow_nan=False,
-                          separators=(",", ":")).encode()  # fmt: skip
 
-    return Response(await asyncio.to_thread(render), status_code=status,
-                    media_type="application/json")  # fmt: skip
+def dumps(value) -> str:
+    """JSON as the answers send it (what `json.dumps` writes, compact, no NaN), long lists
+    written a slice at a time: the C encoder holds the interpreter lock for a whole call, so one
+    call over 16 MB of log-probabilities kept the event loop (on another thread) waiting half a
+    second; between slices it gets its turn. Dicts and short lists that hold containers are
+    written by their parts; a per-token list's entries are small, so a slice of them is one call."""
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{_key(k)}:{dumps(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        if len(value) > DUMP_SLICE:
+            starts = range(0, len(value), DUMP_SLICE)
+            parts = (_dump(value[i : i + DUMP_SLICE])[1:-1] for i in starts)
+            return "[" + ",".join(parts) + "]"
+        if any(isinstance(v, (dict, list)) and not _flat(v) for v in value):
+            return "[" + ",".join(dumps(v) for v in value) + "]"
+    return _dump(value)
+
+
+def _flat(container) -> bool:
+    items = container.values() if isinstance(container, dict) else container
+    return not any(isinstance(v, (dict, list)) for v in items)
+
+
+def _key(key) -> str:
+    # json.dumps turns int, float, bool and None keys into their JSON text, as a string
+    return _dump(key if isinstance(key, str) else _dump(key))
+
+
+def _dump(value) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+async def json_off_loop(build) -> bytes:
+    """The JSON answer `build()` makes, built and serialized (`dumps`) on a worker thread: a
+    prompt's log-probabilities can be megabytes, and the event loop serves every other client
+    meanwhile. The route sends the bytes as an application/json body."""
+    return await asyncio.to_thread(lambda: dumps(build()).encode())
 
 
 def read_json(body: bytes, status: int) -> dict:

@@ -14,7 +14,7 @@ import json
 import uuid
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .. import __version__
 from .api import ApiError, Parsed, finite, json_off_loop, openai_error, read_json
@@ -112,7 +112,8 @@ def make_router(state: State) -> APIRouter:
             state.count(request, 499)
             return JSONResponse({}, status_code=499)
         state.count(request, 200)
-        return await json_off_loop(lambda: body(parsed, sub, done, cid, created))
+        return Response(await json_off_loop(lambda: body(parsed, sub, done, cid, created)),
+                        media_type="application/json")  # fmt: skip
 
     @router.post("/v1/completions", openapi_extra={"x-mpinfer-body": "CompletionRequest"})
     async def completions(request: Request):

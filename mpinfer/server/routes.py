@@ -164,7 +164,8 @@ def build_app(state: State) -> FastAPI:
     async def tokenize(request: Request):
         body = await request.body()
         try:  # a megabyte of text or a chat template: on a worker thread, not the event loop
-            return await json_off_loop(lambda: tokenized(body))  # built and written there
+            built = await json_off_loop(lambda: tokenized(body))  # built and written there
+            return Response(built, media_type="application/json")
         except ApiError as e:
             return error_response(request, e, state)
 

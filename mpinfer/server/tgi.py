@@ -20,7 +20,7 @@ import json
 from typing import Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 
 from ..engine.sampling import MAX_TOP_N
@@ -144,7 +144,8 @@ def make_router(state: State) -> APIRouter:
             return JSONResponse(api.tgi_error(e), status_code=e.status)
         if done is None:  # the client went away
             return JSONResponse({}, status_code=499)
-        return await api.json_off_loop(lambda: answer(parsed, sub, done, request.url.path))
+        built = await api.json_off_loop(lambda: answer(parsed, sub, done, request.url.path))
+        return Response(built, media_type="application/json")
 
     def answer(parsed: api.Parsed, sub: Submission, done, path: str):
         prefix = parsed.options["prompt"] if parsed.options["return_full_text"] else ""
