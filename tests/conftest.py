@@ -157,6 +157,6 @@ def hf_model(ckpts):
 def server(ckpts):
     """The suite's main server: 2 ranks, the tiny model, fp32 (exactly transformers' logits)."""
     s = Server(ckpts["st_sharded"], "server.max_seq_len=256", "server.max_queue=64",
-               "server.max_stream_backlog=512", "server.max_logprob_entries=4096")  # fmt: skip
+               "server.max_stream_backlog=512", "server.max_logprob_entries=98304")  # fmt: skip
     yield s
     s.stop()

@@ -450,11 +450,11 @@ def test_what_one_request_may_ask_is_bounded_and_costs_others_nothing(server):
         "allowed_token_ids",
         "at most 4096 token ids (server.max_token_ids)",
     )
-    ids = [(7 * i) % 900 + 20 for i in range(200)]  # 200 x (1 + 20) > 4096 (the test server's)
+    ids = [(7 * i) % 900 + 20 for i in range(200)]  # 24 x 200 x (1 + 20) > the test server's
     refused(
-        {"prompt": ids, "echo": True, "logprobs": 20, "max_tokens": 0},
+        {"prompt": [ids] * 24, "echo": True, "logprobs": 20, "max_tokens": 0},
         "logprobs",
-        "at most 4096 (server.max_logprob_entries)",
+        "at most 98304 (server.max_logprob_entries)",
     )
     assert post(
         server, "/v1/completions", {"prompt": ids, "echo": True, "logprobs": 5, "max_tokens": 0}
