@@ -32,7 +32,7 @@ from ..model.bloom import DTYPES, BloomModel, BloomShape, LoadedModel
 from ..model.layers import TPGroup
 from ..model.memory import budget_bytes
 from ..model.offload import HostArena, Offload
-from ..model.offloadplan import OffloadPlan, check_fits, plan_for_throughput
+from ..model.offloadplan import OffloadPlan, check_fits, check_host_memory, plan_for_throughput
 from ..model.quant import make_linear_method
 from ..model.sharding import ShardSpec, rank_entries, shard_tensor, specs_for
 from . import sharded
@@ -245,24 +245,34 @@ def load_model(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
     return _report(loaded, t0, mem, ctx)
 
 
-def plan_run(cfg: RunConfig, shape: BloomShape, tp_size: int, ctx: DistContext) -> RunConfig:
-    """The config this run loads with: a model over its budget gets the throughput plan
-    (offloadplan.plan_for_throughput), decided on rank 0 and the same on every rank."""
-    if ctx.device.type != "cuda":
-        return cfg
-    fast = None
+def plan_run(cfg: RunConfig, shape: BloomShape, tp_size: int,
+             ctx: DistContext) -> tuple[RunConfig, OffloadPlan | None]:  # fmt: skip
+    """The config this run loads with and its offload plan, decided once, on rank 0, and the
+    same on every rank: a model over its budget gets the throughput plan
+    (offloadplan.plan_for_throughput), then `check_fits` refuses what cannot fit (the same error
+    on every rank); each rank checks that its own host can hold the offloaded blocks."""
+    error, off = None, None
     if ctx.is_rank0:
-        cfg, fast = plan_for_throughput(shape, cfg, tp_size=tp_size,
-                                        budget=budget_bytes(cfg, ctx.device))  # fmt: skip
-        if fast is not None:
-            log.info("over the budget: %s", " ".join(fast.lines(25.0)))
-    return broadcast_object(cfg, ctx)
+        try:
+            if ctx.device.type == "cuda":
+                cfg, fast = plan_for_throughput(shape, cfg, tp_size=tp_size,
+                                                budget=budget_bytes(cfg, ctx.device))  # fmt: skip
+                if fast is not None:
+                    log.info("over the budget: %s", " ".join(fast.lines(25.0)))
+            off = offload_of(check_fits(shape, cfg, tp_size=tp_size, device=ctx.device,
+                                        host=False))  # fmt: skip
+        except ValueError as e:
+            error = str(e)
+    error, cfg, off = broadcast_object((error, cfg, off), ctx)
+    if error:
+        raise ValueError(error)
+    check_host_memory(off)
+    return cfg, off
 
 
 def _load_from_hf(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
     shape, tp_size, ckpt = agree_on_model(cfg, ctx)
-    cfg = plan_run(cfg, shape, tp_size, ctx)
-    off = offload_of(check_fits(shape, cfg, tp_size=tp_size, device=ctx.device))
+    cfg, off = plan_run(cfg, shape, tp_size, ctx)
     dtype = resolve_dtype(cfg.model.dtype, ctx.device)
     tp = TPGroup(ctx.rank, tp_size, ctx.compute_group if tp_size > 1 else None)
     model = build_meta_model(shape, tp, cfg, dtype)
@@ -297,8 +307,7 @@ def _load_sharded(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
         raise ValueError("; ".join(errors))
     tp_size = manifest["tp_size"]
     shape = BloomShape.from_config(manifest["model_config"])
-    cfg = plan_run(cfg, shape, tp_size, ctx)
-    off = offload_of(check_fits(shape, cfg, tp_size=tp_size, device=ctx.device))
+    cfg, off = plan_run(cfg, shape, tp_size, ctx)
     dtype = resolve_dtype(cfg.model.dtype, ctx.device)
     tp = TPGroup(ctx.rank, tp_size, ctx.compute_group if tp_size > 1 else None)
     model = build_meta_model(shape, tp, cfg, dtype)

@@ -190,14 +190,16 @@ def check_host_memory(off: OffloadPlan | None, *, ranks: int | None = None,
         )
 
 
-def check_fits(shape: BloomShape, cfg: RunConfig, *, tp_size: int, device) -> MemoryPlan | None:
+def check_fits(shape: BloomShape, cfg: RunConfig, *, tp_size: int, device,
+               host: bool = True) -> MemoryPlan | None:  # fmt: skip
     """Refuse, before anything is loaded, a model whose weights leave no room for one sequence
-    even with blocks offloaded to host memory (or with offloading off), or whose offloaded
-    blocks the host cannot hold. The plan, with its offload if any (None on a CPU without
-    model.offload_blocks)."""
+    even with blocks offloaded to host memory (or with offloading off), or (`host`) whose
+    offloaded blocks this host cannot hold. The plan, with its offload if any (None on a CPU
+    without model.offload_blocks)."""
     budget = budget_bytes(cfg, device)
     off = plan_offload(shape, cfg, tp_size=tp_size, budget=budget)
-    check_host_memory(off)
+    if host:
+        check_host_memory(off)
     if budget is None:
         return None if off is None else with_offload(
             plan_memory(shape, cfg, tp_size=tp_size, budget=0), off)  # fmt: skip
