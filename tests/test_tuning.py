@@ -34,7 +34,8 @@ def test_every_sweep_config_name_round_trips():
     assert {n.split()[5] for n in bf16} == {"magic0", "magic2"}  # the Triton-op trick is fp16 only
     assert {n.split()[5] for n in all_names} == {"magic0", "magic1", "magic2"}
     int4 = tuning.names(tuning.INT4_FAMILIES, (1,), "bfloat16", bits=4, group=64)
-    assert {n.split()[5] for n in int4} == {"magic0"} and {n.split()[2] for n in int4} == {"k64"}
+    assert {n.split()[5] for n in int4} == {"magic0", "magic2"}
+    assert {n.split()[2] for n in int4} == {"k64"}
     assert tuning.parse("swap n128 k64 split1 pf0 magic2 w8 s3 m128")[0]["BLOCK_M"] == 128
 
 
@@ -50,7 +51,7 @@ def test_a_bad_config_name_is_refused_by_name(bad):
     [("fma n8 k512 split1 pf1 magic0 w4 s1", 2, 4096, 4096, "float16", 8, "one row"),
      ("swap n64 k128 split1 pf0 magic0 w4 s4", 1, 4096, 4096, "float16", 8, "several rows"),
      ("dot n64 k128 split1 pf0 magic1 w4 s3", 1, 4096, 4096, "bfloat16", 8, "fp16 only"),
-     ("dot n64 k128 split1 pf0 magic2 w4 s3", 16, 4096, 4096, "float16", 4, "int8 only"),
+     ("dot n64 k128 split1 pf0 magic2 w4 s3", 16, 4096, 4096, "bfloat16", 4, "fp16 weights"),
      ("dot n64 k128 split2 pf0 magic0 w4 s3", 64, 250880, 4096, "float16", 8, "workspace"),
      # 17 rows share the 32-row bucket's config: its partials must fit at 32 rows (176B, tp 1)
      ("dot n64 k128 split8 pf0 magic0 w4 s3", 17, 57344, 14336, "float16", 8, "workspace"),
@@ -63,6 +64,9 @@ def test_a_bad_config_name_is_refused_by_name(bad):
      ("dot n64 k256 split4 pf0 magic0 w4 s3", 1, 4096, 1792, "float16", 8, None),
      ("fma n8 k512 split1 pf1 magic1 w4 s1", 1, 250880, 4096, "float16", 8, None),
      ("dot n64 k128 split1 pf0 magic2 w4 s3", 1, 4096, 4096, "bfloat16", 8, None),
+     ("fma n16 k128 split1 pf0 magic2 w4 s3", 1, 4096, 4096, "bfloat16", 4, None),
+     ("swap n64 k128 split1 pf0 magic2 w4 s4", 16, 4096, 4096, "float16", 4, "not repeatable"),
+     ("dot n64 k128 split4 pf0 magic2 w4 s3", 1, 4096, 4096, "float16", 4, None),
      ("swap n128 k128 split3 pf0 magic1 w8 s3 m64", 576, 5376, 14336, "float16", 4, "workspace"),
      ("swap n128 k128 split2 pf0 magic1 w8 s3 m64", 300, 5376, 14336, "float16", 4, None),
      ("swap n128 k64 split1 pf0 magic0 w8 s3 m128", 5000, 4096, 4096, "bfloat16", 8, None)],

@@ -18,9 +18,13 @@ dots of G/2 with plain, coalesced loads of x (no interleave, no shuffle in regis
 Loops, as in w8a16.py: `dot` (x @ w^T), `swap` (w @ x^T, the converted tile as the left
 operand) and `fma` (one row, products in an fp32 tile, reduced once after the loop). MAGIC 1
 (fp16 only) converts a nibble by the bit trick (0x6400 | q is the fp16 number 1024 + q) and
-applies scale and offset in fp16; MAGIC 0 goes through fp32. PREFETCH 1 makes the one-row loop
-take two groups an iteration (two independent weight loads in flight; Triton does not pipeline
-that loop).
+applies scale and offset in fp16, one weight at a time; MAGIC 2 does the same in packed PTX,
+eight weights from four bytes in 17 instructions with no conversion-unit work (the tensor-core
+loops: fp16 only; the one-row loop: any dtype, its fp16 weights then widened to fp32); MAGIC 0
+goes through fp32 (the int -> float conversion unit, 16 values per clock per SM on Hopper: two
+per byte is about what caps a one-row int4 launch near 1.2 TB/s). PREFETCH 1 makes the one-row
+loop take two groups an iteration (two independent weight loads in flight; Triton does not
+pipeline that loop).
 """
 
 from __future__ import annotations
@@ -31,11 +35,44 @@ import triton.language as tl
 
 from .launch import device_scratch, launch_plan, reduce_and_finish
 
+# Four packed bytes (eight nibbles) to their weights q * s + z in fp16 (MAGIC=2), two lanes an
+# instruction. `prmt` spreads bytes 0, 1 (then 2, 3) into the low byte of each 16-bit lane; one
+# `lop3` per nibble keeps the nibble and ORs in the exponent of 1024, so a lane is the fp16
+# number 1024 + q (low nibble) or 1024 + 16 q (high nibble); a subtract, or a multiply-add by
+# 1/16 and -64, leaves q exactly, and one multiply-add applies the lane's scale and offset (one
+# rounding). Operands: $0-$1 the four low-nibble weights, $2-$3 the high ones, $4 the bytes,
+# $5-$6 the scales, $7-$8 the offsets.
+_U4_TO_F16 = tl.constexpr("""{
+.reg .b32 t0, t1, a0, a1, a2, a3, k, m, c;
+mov.b32 k, 0x64006400;
+mov.b32 m, 0x2C002C00;
+mov.b32 c, 0xD400D400;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+lop3.b32 a0, t0, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 a1, t1, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 a2, t0, 0x00F000F0, 0x64006400, 0xEA;
+lop3.b32 a3, t1, 0x00F000F0, 0x64006400, 0xEA;
+sub.f16x2 a0, a0, k;
+sub.f16x2 a1, a1, k;
+fma.rn.f16x2 a2, a2, m, c;
+fma.rn.f16x2 a3, a3, m, c;
+fma.rn.f16x2 $0, a0, $5, $7;
+fma.rn.f16x2 $1, a1, $6, $8;
+fma.rn.f16x2 $2, a2, $5, $7;
+fma.rn.f16x2 $3, a3, $6, $8;
+}""")
+
 
 @triton.jit
 def _nibbles(b, s, z, dtype: tl.constexpr, MAGIC: tl.constexpr):
     """A (rows, G/2) tile of packed bytes as its two (rows, G/2) halves of weights in `dtype`:
     q * s + z, s and z (rows, 1) fp16."""
+    if MAGIC == 2:
+        lo, hi = tl.inline_asm_elementwise(_U4_TO_F16, "=r,=r,=r,=r,r,r,r,r,r", [b, s, z],
+                                           dtype=(tl.float16, tl.float16), is_pure=True,
+                                           pack=4)  # fmt: skip
+        return lo.to(dtype), hi.to(dtype)
     lo = b & 0xF
     hi = b >> 4
     if MAGIC == 1:
@@ -145,12 +182,12 @@ def _w4a16(
                 h_ok = offs_h < HALF * has2
                 x2_lo = tl.load(x_ptrs + BLOCK_K, mask=h_ok, other=0.0).to(tl.float32)
                 x2_hi = tl.load(x_ptrs + BLOCK_K + HALF, mask=h_ok, other=0.0).to(tl.float32)
-            lo, hi = _nibbles(b, s, z, tl.float32, 0)
+            lo, hi = _nibbles(b, s, z, tl.float32, MAGIC // 2 * 2)  # 0 or 2
             x_lo = tl.load(x_ptrs).to(tl.float32)
             x_hi = tl.load(x_ptrs + HALF).to(tl.float32)
             acc2 += lo * x_lo[None, :] + hi * x_hi[None, :]
             if PREFETCH:
-                lo2, hi2 = _nibbles(b2, s2, z2, tl.float32, 0)
+                lo2, hi2 = _nibbles(b2, s2, z2, tl.float32, MAGIC // 2 * 2)
                 acc2 += lo2 * x2_lo[None, :] + hi2 * x2_hi[None, :]
             w_ptrs += HALF * (1 + PREFETCH)
             s_ptrs += N * (1 + PREFETCH)
