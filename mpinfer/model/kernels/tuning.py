@@ -208,8 +208,8 @@ def default_config(rows: int, N: int, K: int, dtype: str, sms: int, *, bits: int
     every SM a program."""
     bucket = row_bucket(rows)
     fp16 = dtype == "float16"
-    if bits == 4:
-        magic, bk = int(fp16), group
+    if bits == 4:  # the packed conversion where it won the H200's sweep (never in swap)
+        magic, bk = 2 if rows == 1 or (fp16 and bucket <= SINGLE_TILE) else int(fp16), group
     else:
         magic, bk = 2 if fp16 or rows == 1 else 0, 128
     if rows == 1:
