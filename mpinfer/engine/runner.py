@@ -213,11 +213,16 @@ class ModelRunner:
         blocks = broadcast_object(min(gather_objects(blocks, self.ctx)) if self.ctx.is_rank0
                                   else None, self.ctx)  # fmt: skip
         if blocks * self.block_size < self.max_seq:
+            # `used` counts the planner's first pool, which the fitted one replaces
+            before = used - self.num_blocks * self.cache.bytes_per_block
             raise ValueError(
                 f"no room for a KV cache of one max_seq_len={self.max_seq} sequence under the "
                 f"budget of {self.fit.budget / 2**20:,.0f} MiB: the process holds "
-                f"{used / 2**20:,.0f} MiB before its cache ({how}); lower server.max_seq_len, "
-                "raise model.memory_budget or tp, or lower model.memory_margin"
+                f"{before / 2**20:,.0f} MiB before its cache ({how}), and the cache needs "
+                f"{self.max_seq * self.cache.bytes_per_block / self.block_size / 2**20:,.0f} MiB"
+                f" more with a margin of {self.fit.margin / 2**20:,.0f} MiB; lower "
+                "server.max_seq_len, raise model.memory_budget or tp, or lower "
+                "model.memory_margin"
             )
         self.resize_cache(blocks)
         after, how = process_gpu_bytes(self.device)
