@@ -98,6 +98,35 @@ def test_verify_names_an_altered_file(sharded2, tmp_path):
     assert f"ok  {rank_file(0, 2)}" in proc.stdout
 
 
+def test_verify_refuses_a_corrupted_int4_shard(ckpts, tmp_path):
+    """int4 shards (packed two weights a byte, groups of 32 along K) pass `verify` as written;
+    one flipped bit in a packed weight of rank 1's file fails it, naming that file and no
+    other."""
+    out = tmp_path / "int4"
+    shard_checkpoint(str(ckpts["st_sharded"]), str(out), tp_size=2, quant="int4", group_size=32,
+                     progress=False)  # fmt: skip
+    with safe_open(str(out / rank_file(1, 2)), framework="pt") as f:
+        names = list(f.keys())
+        packed = [n for n in names if str(f.get_slice(n).get_dtype()) == "U8"]
+        assert packed, names
+        assert tuple(f.get_tensor("h.0.self_attention.query_key_value.weight").shape) == (96, 32)
+    ok = subprocess.run([sys.executable, "-m", "mpinfer.cli", "verify", str(out)],
+                        capture_output=True, text=True)  # fmt: skip
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    path = out / rank_file(1, 2)
+    data = bytearray(path.read_bytes())
+    head = int.from_bytes(data[:8], "little")
+    lo, hi = json.loads(data[8 : 8 + head])["h.0.self_attention.query_key_value.weight"][
+        "data_offsets"]  # fmt: skip
+    data[8 + head + (lo + hi) // 2] ^= 0x10  # one nibble of one packed weight
+    path.write_bytes(bytes(data))
+    proc = subprocess.run([sys.executable, "-m", "mpinfer.cli", "verify", str(out)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 1
+    assert f"BAD {path}: sha256 does not match" in proc.stdout
+    assert f"ok  {rank_file(0, 2)}" in proc.stdout
+
+
 def test_verify_covers_the_tokenizer_and_config_files(sharded2, tmp_path):
     """A server reads the tokenizer and config.json of a sharded checkpoint as much as its
     weights: an edited tokenizer.json fails `verify`, naming the file."""
