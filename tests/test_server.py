@@ -421,6 +421,11 @@ def test_a_stream_nobody_reads_is_cancelled_and_its_memory_let_go(server):
             b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: "
             b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
         )
+        # The status line, peeked (the client still reads nothing): a refusal fails here with
+        # the server's answer, not after a minute of waiting for a drop that cannot come.
+        s.settimeout(30)
+        status = s.recv(12, socket.MSG_PEEK)
+        assert status.startswith(b"HTTP/1.1 200"), s.recv(4096)
         deadline = time.time() + 60
         while server.metric("mpinfer_dropped_streams_total") == dropped and time.time() < deadline:
             other = httpx.post(
