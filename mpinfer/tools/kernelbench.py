@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import multiprocessing as mp
 import os
@@ -27,12 +26,13 @@ import torch.nn.functional as F
 
 from ..model.bloom import BloomShape
 from ..model.kernels import tuning
-from ..model.kernels.tuning import attention_splits, sm_count
+from ..model.kernels.tuning import sm_count
 from ..model.sharding import shard_specs
 from . import kernelcands
+from .attnbench import attention_markdown, attention_sweep
 from .kernelcands import CANDIDATES
 from .randmodel import SHAPES as ARCHS
-from .report import machine, md_table, measure_ceilings, save_result
+from .report import graph_time_us, l2_copies, machine, md_table, measure_ceilings, save_result
 
 # The W8A16 matmuls of a BLOOM layer: checkpoint name -> (short name, epilogue fused into it)
 MATRICES = {
@@ -89,33 +89,8 @@ def runs_as(name: str, rows: int, bits: int) -> bool:
     return not name.endswith("lm_head") or (bits == 8 and rows <= tuning.SINGLE_TILE)
 
 
-def graph_time_us(make_call, copies: int, calls: int = 24, reps: int = 10) -> float:
-    """Microseconds per call of make_call(i) (i picks the weight copy), from a CUDA graph."""
-    for i in range(copies):  # warm-up: autotuning and compilation happen outside the capture
-        make_call(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            make_call(i % copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * calls)
-
-
 def config_text(cfg) -> str:
     return tuning.name(cfg.kwargs, cfg.num_warps, cfg.num_stages)
-
-
-def _copies(read_bytes: int, l2_bytes: int) -> int:
-    """How many copies of what a call reads make a graph that cycles through them miss L2."""
-    return max(2, -(-3 * l2_bytes // read_bytes))
 
 
 def _operands(name, N, K, epilogue, M, dtype, copies, bits: int = 8, group: int = 128):
@@ -163,7 +138,7 @@ def chosen_config(x, N, K, bits, group) -> str:
 def bench_shape(name, N, K, epi, M, dtype, l2_bytes, *, bits: int = 8, group: int = 128,
                 candidates: tuple = ()) -> dict:  # fmt: skip
     w_bytes = quant_bytes(N, K, bits, group)
-    g, ws, x, bias, res = _operands(name, N, K, epi, M, dtype, _copies(w_bytes, l2_bytes), bits,
+    g, ws, x, bias, res = _operands(name, N, K, epi, M, dtype, l2_copies(w_bytes, l2_bytes), bits,
                                     group)  # fmt: skip
     gelu = epi == "gelu"
 
@@ -174,7 +149,7 @@ def bench_shape(name, N, K, epi, M, dtype, l2_bytes, *, bits: int = 8, group: in
     us = graph_time_us(ours, len(ws))
     ws.clear()  # free the quantized copies before the fp16 ones
     w16 = [torch.randn(N, K, device="cuda", generator=g, dtype=dtype)
-           for _ in range(_copies(2 * N * K, l2_bytes))]  # fmt: skip
+           for _ in range(l2_copies(2 * N * K, l2_bytes))]  # fmt: skip
 
     def cublas(i):
         y = F.linear(x, w16[i], bias)
@@ -185,7 +160,7 @@ def bench_shape(name, N, K, epi, M, dtype, l2_bytes, *, bits: int = 8, group: in
     us16 = graph_time_us(cublas, len(w16))
     cands = {}
     for cand in candidates:  # the same launch through each library that installs here
-        copies = _copies(quant_bytes(N, K, bits, group), l2_bytes)
+        copies = l2_copies(quant_bytes(N, K, bits, group), l2_bytes)
         cands[cand] = kernelcands.time_candidate(cand, w16[0], bias, x, group, copies,
                                                  graph_time_us)  # fmt: skip
     w16.clear()
@@ -278,7 +253,7 @@ def _variant(shape, K, epi, M, dt, config) -> tuple:
 
 def _tune_launch(shape, N, K, epi, M, dtype, dt, cands, l2_bytes, bits, group) -> dict:
     w_bytes = quant_bytes(N, K, bits, group)
-    _, ws, x, bias, res = _operands(shape, N, K, epi, M, dtype, _copies(w_bytes, l2_bytes),
+    _, ws, x, bias, res = _operands(shape, N, K, epi, M, dtype, l2_copies(w_bytes, l2_bytes),
                                     bits, group)  # fmt: skip
     gelu = epi == "gelu"
     work_us = max(w_bytes / 3e3, 2 * M * N * K / 6e8)  # about the launch's own time
@@ -327,88 +302,6 @@ def tune_markdown(result: dict) -> str:
         "weights from HBM (median of 5), beside the config the default rule gives a launch no "
         "table has\n\n" + md_table(header, rows)
     )
-
-
-# (name, batch, heads per rank): the decode attention of bloom-7b1 and of one BLOOM-176B tp-8 rank
-ATTENTION_CASES = [("7b1", 1, 32), ("7b1", 8, 32), ("7b1", 32, 32), ("176b/8", 1, 14),
-                   ("176b/8", 8, 14), ("176b/8", 32, 14)]  # fmt: skip
-
-
-def attention_sweep(context: int, max_seqs: list[int], l2_bytes: int, dtype=torch.float16) -> dict:
-    """Time the decode attention (kernels/attention.py, both launches) over a grid of tile
-    lengths, warps, pipeline stages and splits per row and head, each case in a CUDA graph with
-    the cache read from HBM (enough layers' caches to overflow L2); the policy's own choice is
-    marked. Rows of the history are `context` long in a cache of each of `max_seqs` positions
-    (the splits a captured graph can use depend on the cache length, not on the history's)."""
-    rows = []
-    for max_seq in max_seqs:
-        for name, B, heads in ATTENTION_CASES:
-            row = _attention_case(name, B, heads, context, max_seq, l2_bytes, dtype)
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k not in ("all", "top")}),
-                  flush=True)  # fmt: skip
-            torch.cuda.empty_cache()
-    return {"gpu": torch.cuda.get_device_name(), "dtype": str(dtype), "rows": rows}
-
-
-def _attention_case(name, B, heads, context, max_seq, l2_bytes, dtype) -> dict:
-    from ..model.kernels import attention  # Triton: GPU only
-
-    sms = sm_count(0)
-    head_dim = 128
-    read = 2 * B * heads * context * head_dim * 2
-    copies = _copies(read, l2_bytes)
-    caches = [(torch.randn(B, heads, max_seq, head_dim, device="cuda", dtype=dtype),
-               torch.randn(B, heads, max_seq, head_dim, device="cuda", dtype=dtype))
-              for _ in range(copies)]  # fmt: skip
-    qkv = torch.randn(B, heads * 3 * head_dim, device="cuda", dtype=dtype)
-    slots = torch.arange(B, device="cuda")
-    pos = torch.full((B,), context, device="cuda")
-    vf = torch.zeros(B, dtype=torch.long, device="cuda")
-    slopes = torch.rand(heads, device="cuda")
-    policy = attention_splits(B, heads, max_seq, sms)
-    splits = sorted({policy, 1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 18, 24, 32}
-                    | {max(1, -(-f * sms // (B * heads))) for f in (2, 4, 8, 16)})  # fmt: skip
-    results = []
-    grid = itertools.product((32, 64), (2, 4), (3,), splits)
-    for block_l, warps, stages, n in grid:
-
-        def call(i, block_l=block_l, warps=warps, stages=stages, n=n):
-            k, v = caches[i]
-            return attention.decode_attention(qkv, k, v, slots, pos, vf, slopes, n_splits=n,
-                                              block_l=block_l, num_warps=warps,
-                                              num_stages=stages)  # fmt: skip
-
-        try:
-            us = graph_time_us(call, copies, calls=max(copies, 12), reps=3)
-        except Exception as e:  # e.g. out of shared memory
-            us = None
-            print(f"attention {name} b={B} l{block_l} w{warps} s{stages} n{n}: {e}"[:300])
-        results.append({"block_l": block_l, "warps": warps, "stages": stages, "splits": n,
-                        "us": us})  # fmt: skip
-    ok = sorted((r for r in results if r["us"]), key=lambda r: r["us"])
-    default = (attention.TILE_KEYS, attention.WARPS, attention.STAGES, policy)
-    current = next(r for r in results
-                   if (r["block_l"], r["warps"], r["stages"], r["splits"]) == default)  # fmt: skip
-    return {"case": name, "batch": B, "heads": heads, "context": context, "max_seq": max_seq,
-            "bytes": read, "policy_splits": policy, "default_us": current["us"],
-            "best": ok[0], "top": ok[:8], "all": results}  # fmt: skip
-
-
-def attention_markdown(result: dict, bandwidth: float) -> str:
-    header = ["case", "batch", "cache", "MB read", "default us", "% of copy", "best us",
-              "% of copy", "best: tile, warps, stages, splits"]  # fmt: skip
-    rows = []
-    for r in result["rows"]:
-        b = r["best"]
-        rows.append([r["case"], r["batch"], r["max_seq"], f"{r['bytes'] / 1e6:.0f}",
-                     f"{r['default_us']:.1f}",
-                     f"{100 * r['bytes'] / r['default_us'] / 1e3 / bandwidth:.0f}",
-                     f"{b['us']:.1f}", f"{100 * r['bytes'] / b['us'] / 1e3 / bandwidth:.0f}",
-                     f"{b['block_l']}, {b['warps']}, {b['stages']}, {b['splits']}"])  # fmt: skip
-    first = result["rows"][0]
-    return (f"{result['gpu']}: decode attention (both launches), context {first['context']}, "
-            "in a CUDA graph\n\n" + md_table(header, rows))  # fmt: skip
 
 
 def markdown(result: dict) -> str:

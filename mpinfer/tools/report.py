@@ -1,4 +1,5 @@
-"""What every benchmark ends with: a markdown table, the JSON beside it, the machine it ran on."""
+"""What every benchmark ends with: a markdown table, the JSON beside it, the machine it ran on;
+and the GPU timers the benchmarks share."""
 
 from __future__ import annotations
 
@@ -46,6 +47,31 @@ def cuda_time(fn, *, iters: int, warmup: int = 3) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def graph_time_us(make_call, copies: int, calls: int = 24, reps: int = 10) -> float:
+    """Microseconds per call of make_call(i) (i picks the weight copy), from a CUDA graph."""
+    for i in range(copies):  # warm-up: autotuning and compilation happen outside the capture
+        make_call(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            make_call(i % copies)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * calls)
+
+
+def l2_copies(read_bytes: int, l2_bytes: int) -> int:
+    """How many copies of what a call reads make a graph that cycles through them miss L2."""
+    return max(2, -(-3 * l2_bytes // read_bytes))
 
 
 def measure_ceilings() -> dict:
