@@ -434,15 +434,20 @@ def test_prefix_cache_counters_can_be_kept_off_the_metrics_page(guarded):
 def test_a_large_answer_is_built_off_the_event_loop(guarded):
     """Two requests scoring six 2,000-token prompts each (echo, 20 alternatives a token: 252,000
     log-probabilities, some 20 MB of JSON an answer, just under the guarded server's cost limit):
-    /health keeps answering while the answers are built and written on worker threads. On CI's
-    kind of machine (2 cores) /health's worst wait was 0.24-0.39 s with the answers off the loop
-    and 1.75 s with them built on it; the bound sits between."""
+    /health keeps answering while the answers are built and written on worker threads. The bound
+    is relative to the requests' own time, so a busy machine slows both sides: on this project's
+    2-core machine /health's worst wait was 0.04-0.07 of the slower request's time with the
+    answers off the loop, and 0.21-0.22 with them built on it (1.1-1.3 s of 5.4-5.7 s)."""
     prompts = [[(13 * i + k) % 900 + 20 for i in range(2000)] for k in range(6)]
     body = {"prompt": prompts, "echo": True, "logprobs": 20, "max_tokens": 0}
     sizes = []
 
+    took = []
+
     def post():
+        t0 = time.perf_counter()
         r = httpx.post(guarded.url + "/v1/completions", json=body, timeout=120)
+        took.append(time.perf_counter() - t0)
         assert r.status_code == 200, r.text[:300]
         sizes.append(len(r.content))
 
@@ -458,7 +463,7 @@ def test_a_large_answer_is_built_off_the_event_loop(guarded):
     for t in threads:
         t.join()
     assert len(sizes) == 2 and min(sizes) > 10_000_000, sizes
-    assert max(slowest) < 0.8, sorted(slowest)[-5:]
+    assert max(slowest) < 0.1 * max(took), (sorted(slowest)[-5:], took)
 
 
 def test_answers_are_written_as_json_dumps_writes_them_a_slice_at_a_time():
