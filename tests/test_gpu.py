@@ -155,7 +155,7 @@ def test_every_config_family_split_k(bits, dtype):
             if M == 1 and kw["SWAP"]:
                 continue
             if tuning.illegal(config, M, N, K, dt, bits=bits, group=128 if bits == 4 else 0):
-                continue  # int4's magic2 in a tensor-core loop with bf16 activations
+                continue  # what `illegal` refuses: int4 magic2 in swap, or with bf16 in a dot
             x = torch.randn(M, K, device="cuda", generator=g, dtype=dtype)
             res = torch.randn(M, N, device="cuda", generator=g, dtype=dtype)
             if bits == 8:
