@@ -458,12 +458,13 @@ def random_560m(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("budget, offload", [("4GiB", False), ("2GiB", True)])
+@pytest.mark.parametrize("budget, offload", [("4GiB", False), ("3GiB", True)])
 def test_the_server_never_holds_more_than_its_budget(random_560m, budget, offload):
     """`mpinfer serve` under a budget, 64 closed-loop clients of the unique mix (prompts of 20
     to 1,400 tokens, 32-256 new tokens) for 15 s, the server's GPU memory as NVML counts it read
-    every 100 ms: the peak is at most the budget. 2 GiB is under what the planner counts for
-    bloom-560m resident: blocks in host memory, planned for throughput."""
+    every 100 ms: the peak is at most the budget. 3 GiB is under what the planner counts for
+    bloom-560m resident at 64 slots (3.1 GiB: the sampler's pass over 64 rows of a 250,880-token
+    vocabulary alone takes about 1 GiB): blocks in host memory, planned for throughput."""
     import asyncio
 
     import httpx
