@@ -189,6 +189,60 @@ def test_seeded_row_draws_the_same_token_alone_and_in_any_batch():
         assert int(tokens[where]) == int(alone[0])
 
 
+def test_rows_in_chunks_give_what_one_pass_gives(monkeypatch):
+    """The sampler takes a large batch a chunk of rows at a time (its memory stays bounded):
+    every row's token and packed outputs are those of one pass over the whole batch, with the
+    per-row processors (penalties over the slot's history, logit bias, allowed tokens, EOS held
+    back by min_tokens, top-n) landing on their own rows in every chunk."""
+    import mpinfer.model.memory as memory
+
+    g = torch.Generator().manual_seed(12)
+    rng = random.Random(3)
+    kinds = [
+        lambda: SamplingParams(),
+        lambda: SamplingParams(
+            do_sample=True,
+            top_p=rng.uniform(0.3, 0.95),
+            top_k=40,
+            seed=rng.randrange(2**32),
+            top_n=3,
+        ),
+        lambda: SamplingParams(
+            do_sample=True,
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            seed=rng.randrange(2**32),
+            typical_p=0.8,
+        ),
+        lambda: SamplingParams(logit_bias=((7, 50.0),), top_n=2),
+        lambda: SamplingParams(do_sample=True, min_tokens=4, min_p=0.05, seed=5),
+        lambda: SamplingParams(allowed_token_ids=(10, 11, 12), do_sample=True, seed=6),
+    ]
+    n = 13
+    params = [kinds[rng.randrange(len(kinds))]().check() for _ in range(n)]
+    logits = torch.randn(n, V, generator=g) * 3
+    outs = []
+    for chunk in (None, 4 * V):
+        if chunk:
+            monkeypatch.setattr(memory, "SAMPLER_CHUNK_LOGITS", chunk)
+        sampler = Sampler(slots=n, vocab_size=V, eos_token_id=2, device=torch.device("cpu"))
+        for i, p in enumerate(params):
+            sampler.admit(i, torch.randint(4, V, (30,), generator=torch.Generator().manual_seed(i))
+                          .tolist(), p, generated=[9, 9, 20])  # fmt: skip
+        rows = [Row(i, p, 2) for i, p in enumerate(params)]
+        outs.append(sampler.sample(logits, rows))
+        outs.append(sampler.counts.clone())
+    assert memory.chunk_rows(V) == 4 and n > 3 * 4
+    (whole, counts_whole), (chunked, counts_chunked) = outs[:2], outs[2:]
+    for a, b in zip(whole[:2], chunked[:2]):  # slots, tokens
+        assert a.tolist() == b.tolist()
+    history = [i for i, p in enumerate(params) if p.uses_history]  # counts only these read
+    assert history and counts_whole[history].tolist() == counts_chunked[history].tolist()
+    for i, p in enumerate(params):  # token, log-probability, finite; the alternatives it asked
+        cols = [0, 1, 2, *range(3, 3 + p.top_n), *range(3 + MAX_TOP_N, 3 + MAX_TOP_N + p.top_n)]
+        assert whole[2][i, cols].tolist() == chunked[2][i, cols].tolist(), i
+
+
 def test_packed_outputs_hold_logprobs_of_the_raw_distribution_and_top_n():
     g = torch.Generator().manual_seed(9)
     logits = torch.randn(3, V, generator=g)

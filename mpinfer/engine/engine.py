@@ -187,7 +187,10 @@ class Engine:
     def warm_up(self) -> None:
         """On a GPU, before ready: requests of every decode batch size, greedy and sampled,
         through the whole step: first-time costs (CUDA modules loaded on first launch, pinned
-        buffers) are paid here, not by the first clients. The other ranks run the steps."""
+        buffers) are paid here, not by the first clients. The largest batch goes first, so the
+        caching allocator holds what serving's largest sampler pass needs and no more (smaller
+        batches reuse its blocks; growing batches would each leave their own behind), and
+        `fit_cache` counts it. The other ranks run the steps."""
         if self.runner.device.type != "cuda":
             return
         t0 = time.perf_counter()
@@ -196,7 +199,7 @@ class Engine:
                  SamplingParams(max_new_tokens=2, ignore_eos=True, do_sample=True,
                                 temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1,
                                 top_n=2)]  # fmt: skip
-        for n in decode_buckets(self.runner.slots):
+        for n in reversed(decode_buckets(self.runner.slots)):
             for i in range(n):
                 self.submit([pad] * 3, kinds[i % 2], lambda ev: None)
             self.run(until_idle=True, stop_ranks=False)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.bloom import to_device
+from ..model.memory import chunk_rows
 
 # Below this temperature a request is greedy: x / T would leave fp32's range.
 MIN_TEMPERATURE = 1e-5
@@ -348,7 +349,18 @@ class Sampler:
         """(slots (n,), tokens (n,) long, packed (n, 3 + 2 * MAX_TOP_N) float32), all on the
         device; slots and tokens are the next decode inputs; `packed` holds per row the
         token, its log-probability, 1.0 if the row's distribution was finite, then the top
-        alternatives' ids and log-probabilities (token ids are exact in float32 below 2^24)."""
+        alternatives' ids and log-probabilities (token ids are exact in float32 below 2^24).
+        Rows go through in chunks of `chunk_rows(V)`: the pass's float32 temporaries are a few
+        dozen bytes per logit, so its memory stays bounded at any batch (rows are independent:
+        a row's token does not depend on the chunk it is in)."""
+        step = chunk_rows(self.vocab_size)
+        if len(rows) <= step:
+            return self._sample(logits, rows)
+        parts = [self._sample(logits[at : at + step], rows[at : at + step])
+                 for at in range(0, len(rows), step)]  # fmt: skip
+        return tuple(torch.cat(p) for p in zip(*parts))
+
+    def _sample(self, logits: torch.Tensor, rows: list[Row]):
         n = len(rows)
         x = logits.float()
         host, needs = row_table(rows, self.vocab_size)

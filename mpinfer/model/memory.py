@@ -39,7 +39,22 @@ CONTEXT_RESERVE = int(0.75 * GIB)
 # only).
 NCCL_RESERVE = 384 * MIB
 # Prompt log-probabilities go through the LM head this many positions at a time (runner.py).
-PROMPT_LOGPROB_ROWS = 64
+PROMPT_LOGPROB_ROWS = 16
+# The sampler takes at most this many logits (rows x vocabulary) per pass (engine/sampling.py's
+# Sampler.sample), each costing up to SAMPLER_BYTES_PER_LOGIT of temporaries at the pass's peak
+# (float32 copies, the top-p sort's values and int64 order, the float64 CDF; measured on the
+# H200: 62.6 bytes with penalties and top-p, 12 greedy). A pass costs the host about 0.7 ms of
+# launches whatever its rows (64 rows in 4 passes took 2.9 ms greedy, 8.0 sampled, against 0.8
+# and 4.1 in one), so the chunk is large: 66 rows of BLOOM's vocabulary, about 1 GiB at most.
+SAMPLER_CHUNK_LOGITS = 2**24
+SAMPLER_BYTES_PER_LOGIT = 64
+
+
+def chunk_rows(vocab_size: int) -> int:
+    """Rows per sampler pass: 66 for BLOOM's 250,880 tokens."""
+    return max(1, SAMPLER_CHUNK_LOGITS // vocab_size)
+
+
 # GPU sizes `mpinfer plan` answers for when not told one, as the driver reports them (a 24 GB
 # RTX 3090/4090 has 24 GiB, an A100 40 or 80 GiB, an L40S 45 GiB, an H200 140 GiB).
 COMMON_GPUS = ("16GiB", "24GiB", "40GiB", "48GiB", "80GiB", "140GiB")
@@ -134,10 +149,12 @@ class MemoryPlan:
 HOW = {
     "weights": "counted: the sharding specs", "scales": "counted", "embeddings": "counted",
     "biases": "counted", "sampler state": "counted: a bool and an int32 per slot and token",
+    "sampler temporaries": "estimated: one pass over the slots (at most 66 rows of BLOOM's "
+                           "vocabulary), 64 bytes a logit; measured at start-up",
     "CUDA context": "estimated; at start-up the KV pool is sized from what the process holds",
     "NCCL": "estimated (tp > 1); measured at start-up likewise",
     "activation workspace": "estimated: split-K partials, a dequantized weight, activations, "
-                            "logits",
+                            "an eager step's logits",
     "step graphs": "estimated; measured at start-up",
     "safety margin": "model.memory_margin: fragmentation and what warm-up does not reach",
     "blocks in host memory": "counted", "offload ring": "counted",
@@ -180,7 +197,6 @@ def plan_memory(shape: BloomShape, cfg: RunConfig, *, tp_size: int, budget: int)
     h, v = shape.hidden_size, shape.vocab_size
     s = cfg.server
     slots = s.max_batch_slots
-    logit_rows = max(slots, PROMPT_LOGPROB_ROWS)
     # A step of more than DEQUANT_ROWS tokens dequantizes one weight at a time (kernels/).
     dequantized = largest * dtype_bytes if slots + s.max_prefill_tokens > DEQUANT_ROWS else 0
     workspace = (
@@ -188,7 +204,7 @@ def plan_memory(shape: BloomShape, cfg: RunConfig, *, tp_size: int, budget: int)
         + dequantized
         + s.max_prefill_tokens * 8 * h // tp_size * dtype_bytes * 2  # prefill activations
         + s.max_prefill_tokens * h * dtype_bytes  # a prefill chunk's final hidden states
-        + logit_rows * v * (dtype_bytes + 4 * 3)  # gathered logits, their fp32 copy, two temps
+        + slots * v * dtype_bytes  # the sampled rows' logits of an eager step
     )
     items["CUDA context and libraries"] = CONTEXT_RESERVE
     if tp_size > 1:
@@ -196,6 +212,12 @@ def plan_memory(shape: BloomShape, cfg: RunConfig, *, tp_size: int, budget: int)
     items["activation workspace"] = workspace
     # The sampler keeps, per slot, which tokens the prompt holds and how often each was generated.
     items["sampler state"] = slots * v * (1 + 4)
+    # One sampler pass over a chunk of rows, or one run of a prompt's log-probabilities (its
+    # logits, their float32 copy, two temporaries): the caching allocator keeps the larger.
+    items["sampler temporaries"] = max(
+        min(slots, chunk_rows(v)) * v * SAMPLER_BYTES_PER_LOGIT,
+        PROMPT_LOGPROB_ROWS * v * (dtype_bytes + 4 * 3),
+    )
     if s.cuda_graphs:
         # Every bucket's graph leaves its hidden states and logits in two shared buffers; the
         # shared pool holds one step's activations.

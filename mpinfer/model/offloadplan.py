@@ -134,7 +134,8 @@ def plan_offload(shape: BloomShape, cfg: RunConfig, *, tp_size: int,
 
 def fit_hints(shape: BloomShape, cfg: RunConfig, tp_size: int, budget: int, least: int) -> str:
     """What would make a refused budget work: the smallest budget, and each of the options that
-    fits this one (int8 embeddings, an int8 KV cache, a shorter max_seq_len, int4 weights)."""
+    fits this one (int8 embeddings, an int8 KV cache, a shorter max_seq_len, int4 weights, fewer
+    rows a step)."""
     q, s = cfg.quant, cfg.server
     tries = []
     if q.embeddings != "int8" and q.method != "llm.int8":
@@ -147,6 +148,8 @@ def fit_hints(shape: BloomShape, cfg: RunConfig, tp_size: int, budget: int, leas
             break
     if q.method == "int8":
         tries.append(('quant.method="int4"', {"quant": {"method": "int4"}}))
+    if s.max_batch_slots > 16:  # the sampler's pass and the logits grow with the rows
+        tries.append(("server.max_batch_slots=16", {"server": {"max_batch_slots": 16}}))
     works = []
     for text, change in tries:
         trial = dataclasses.replace(cfg, **{sec: dataclasses.replace(getattr(cfg, sec), **kv)
@@ -270,25 +273,43 @@ def plan_for_throughput(shape: BloomShape, cfg: RunConfig, *, tp_size: int, budg
     # Rows and prompt tokens a step: the config's where it sets them, else the plan's.
     cap = s.max_batch_slots if s.max_batch_slots != default.max_batch_slots else MAX_PLANNED_ROWS
     fixed_prefill = s.max_prefill_tokens != default.max_prefill_tokens
-    best = None
-    for n in range(len(least.offloaded), most + 1):
-        rows = min(cap, s.max_batch_slots)
-        for _ in range(2):  # the sampler and graph lines depend on the rows: settle them
-            trial = dataclasses.replace(
-                cfg, model=dataclasses.replace(cfg.model, offload_blocks=n),
-                server=dataclasses.replace(server, max_batch_slots=max(1, rows)))  # fmt: skip
-            off = plan_offload(shape, trial, tp_size=tp_size, budget=budget)
-            plan = with_offload(plan_memory(shape, trial, tp_size=tp_size, budget=budget), off)
-            bound = off.compute_bound_from(host_gbps, gpu_tbps, gpu_tflops)
-            rows = min(plan.kv_tokens // PLANNED_SEQUENCE, bound, cap)
-        if rows < 1 or not plan.fits:
-            continue
-        step = off.predict_ms(rows, host_gbps, gpu_tbps, gpu_tflops)
+
+    def prefill_for(rows: int) -> int:
         # Prompt tokens a step: what keeps the step at DEQUANT_ROWS tokens (measured on the
         # H200: 2,048 a step held 1.9 GiB of transient activations and a dequantized weight,
         # which the KV cache then lacked), at least 64.
-        prefill = s.max_prefill_tokens if fixed_prefill else max(64, DEQUANT_ROWS - rows)
-        cand = ThroughputPlan(n, rows, prefill, kv_int8, plan.kv_tokens, step,
+        return s.max_prefill_tokens if fixed_prefill else max(64, DEQUANT_ROWS - rows)
+
+    def planned(n: int, rows: int) -> tuple[MemoryPlan, OffloadPlan]:
+        trial = dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, offload_blocks=n),
+            server=dataclasses.replace(server, max_batch_slots=rows,
+                                       max_prefill_tokens=prefill_for(rows)))  # fmt: skip
+        off = plan_offload(shape, trial, tp_size=tp_size, budget=budget)
+        return with_offload(plan_memory(shape, trial, tp_size=tp_size, budget=budget), off), off
+
+    best = None
+    for n in range(len(least.offloaded), most + 1):
+        plan, off = planned(n, 1)
+        bound = off.compute_bound_from(host_gbps, gpu_tbps, gpu_tflops)
+        # The most rows whose own plan (the sampler and logits grow with the rows, the KV cache
+        # shrinks) holds a PLANNED_SEQUENCE for each, up to the compute bound: a binary search,
+        # as the room per row only falls as the rows grow.
+        lo, hi = 0, cap
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if min(planned(n, mid)[0].kv_tokens // PLANNED_SEQUENCE, bound) >= mid:
+                lo = mid
+            else:
+                hi = mid - 1
+        rows = lo
+        if rows < 1:
+            continue
+        plan, off = planned(n, rows)
+        if not plan.fits:
+            continue
+        step = off.predict_ms(rows, host_gbps, gpu_tbps, gpu_tflops)
+        cand = ThroughputPlan(n, rows, prefill_for(rows), kv_int8, plan.kv_tokens, step,
                               rows / step * 1e3)  # fmt: skip
         if best is None or cand.tok_s > best.tok_s * 1.001:  # ties: fewer blocks offloaded
             best = cand
