@@ -72,7 +72,8 @@ class Engine:
         self.channel = runner.channel
         self.prefix_caching = prefix_caching
         self.sampler = Sampler(slots=runner.slots, vocab_size=self.vocab_size,
-                               eos_token_id=self.eos, device=runner.device)  # fmt: skip
+                               eos_token_id=self.eos, device=runner.device,
+                               offloaded=runner.model.offload is not None)  # fmt: skip
         self.scheduler = Scheduler(self._block_manager(), rows=runner.slots,
                                    max_prefill_tokens=max_prefill_tokens,
                                    new_sequence=lambda req: Sequence(req, -1, self.tok),

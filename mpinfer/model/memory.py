@@ -45,14 +45,18 @@ PROMPT_LOGPROB_ROWS = 16
 # (float32 copies, the top-p sort's values and int64 order, the float64 CDF; measured on the
 # H200: 62.6 bytes with penalties and top-p, 12 greedy). A pass costs the host about 0.7 ms of
 # launches whatever its rows (64 rows in 4 passes took 2.9 ms greedy, 8.0 sampled, against 0.8
-# and 4.1 in one), so the chunk is large: 66 rows of BLOOM's vocabulary, about 1 GiB at most.
+# and 4.1 in one), so a resident model's chunk is large: 66 rows of BLOOM's vocabulary, about
+# 1 GiB at most. With blocks in host memory a step takes 100 ms or more and every MiB is KV
+# room: 16 rows, a quarter of the memory for a few ms a step.
 SAMPLER_CHUNK_LOGITS = 2**24
+OFFLOADED_SAMPLER_CHUNK_LOGITS = 2**22
 SAMPLER_BYTES_PER_LOGIT = 64
 
 
-def chunk_rows(vocab_size: int) -> int:
-    """Rows per sampler pass: 66 for BLOOM's 250,880 tokens."""
-    return max(1, SAMPLER_CHUNK_LOGITS // vocab_size)
+def chunk_rows(vocab_size: int, *, offloaded: bool = False) -> int:
+    """Rows per sampler pass: 66 for BLOOM's 250,880 tokens (16 with blocks in host memory)."""
+    most = OFFLOADED_SAMPLER_CHUNK_LOGITS if offloaded else SAMPLER_CHUNK_LOGITS
+    return max(1, most // vocab_size)
 
 
 # GPU sizes `mpinfer plan` answers for when not told one, as the driver reports them (a 24 GB
@@ -150,7 +154,7 @@ HOW = {
     "weights": "counted: the sharding specs", "scales": "counted", "embeddings": "counted",
     "biases": "counted", "sampler state": "counted: a bool and an int32 per slot and token",
     "sampler temporaries": "estimated: one pass over the slots (at most 66 rows of BLOOM's "
-                           "vocabulary), 64 bytes a logit; measured at start-up",
+                           "vocabulary, 16 offloaded), 64 bytes a logit; measured at start-up",
     "CUDA context": "estimated; at start-up the KV pool is sized from what the process holds",
     "NCCL": "estimated (tp > 1); measured at start-up likewise",
     "activation workspace": "estimated: split-K partials, a dequantized weight, activations, "
@@ -214,8 +218,9 @@ def plan_memory(shape: BloomShape, cfg: RunConfig, *, tp_size: int, budget: int)
     items["sampler state"] = slots * v * (1 + 4)
     # One sampler pass over a chunk of rows, or one run of a prompt's log-probabilities (its
     # logits, their float32 copy, two temporaries): the caching allocator keeps the larger.
+    rows = min(slots, chunk_rows(v, offloaded=cfg.model.offload_blocks > 0))
     items["sampler temporaries"] = max(
-        min(slots, chunk_rows(v)) * v * SAMPLER_BYTES_PER_LOGIT,
+        rows * v * SAMPLER_BYTES_PER_LOGIT,
         PROMPT_LOGPROB_ROWS * v * (dtype_bytes + 4 * 3),
     )
     if s.cuda_graphs:
