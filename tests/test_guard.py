@@ -293,8 +293,9 @@ def test_clients_that_never_finish_a_request_cannot_hold_the_cap(guarded):
 
 
 def test_a_chat_template_that_loops_is_that_requests_400(guarded):
-    """The bomb above on a 5-message chat: a 400 naming the template's budget after about a
-    second, while /health and another client's chat go on; a 4-message chat renders."""
+    """The bomb above on a 5-message chat: a 400 naming the template's budget (its clock, or
+    on a fast machine its output cap first: both are the budget) within a second or so, while
+    /health and another client's chat go on; a 4-message chat renders."""
     msgs = [{"role": "user", "content": "hi"}] * 5
     result = {}
     t = threading.Thread(target=lambda: result.update(r=httpx.post(

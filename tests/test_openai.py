@@ -6,6 +6,7 @@ description, and the tokenizer routes."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -293,6 +294,27 @@ def test_chat_templates_default_checkpoint_and_configured(tmp_path):
     with pytest.raises(ValueError, match="no such file"):
         load_chat_template(str(d), str(tmp_path / "missing.jinja"))
     assert load_chat_template(str(tmp_path)).origin == "mpinfer's default for BLOOM"
+
+
+@pytest.mark.parametrize("body, limit", [
+    ("{% for i in range(100000) %}{{ 'abcdefghij' * 10 }}{% endfor %}", "output budget"),
+    ("{{ 'ab' * 3000000 }}", "past its budget"),
+    ("{{ 2 ** 5000 }}", "above its budget"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+     "1 s budget"),
+])  # fmt: skip
+def test_each_of_a_chat_templates_limits_is_a_budget_error(tmp_path, body, limit):
+    """Each limit of a render (the output cap, a multiplied sequence, a power, the clock) is
+    a TemplateOverBudget naming its budget, reached by a template that passes the start-up
+    check and goes over on a 5-message chat; whichever a machine reaches first, the message
+    names the budget (the HTTP test of this relies on that)."""
+    from mpinfer.server.chat import ChatTemplate, TemplateOverBudget
+
+    t = ChatTemplate("{% if messages|length > 4 %}" + body + "{% endif %}", origin="test")
+    t0 = time.perf_counter()
+    with pytest.raises(TemplateOverBudget, match="budget") as e:
+        t.render([{"role": "user", "content": "hi"}] * 5)
+    assert limit in str(e.value) and time.perf_counter() - t0 < 5
 
 
 @pytest.mark.parametrize("status", ["loading", "stopping"])

@@ -82,11 +82,11 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             for seq, n in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
                     if len(seq) * n > MAX_OUTPUT:
-                        raise TemplateOverBudget("the chat template builds a sequence longer "
-                                                 f"than {MAX_OUTPUT} items")  # fmt: skip
+                        raise TemplateOverBudget("the chat template builds a sequence past its "
+                                                 f"budget of {MAX_OUTPUT} items")  # fmt: skip
             return operator.mul(left, right)
         if isinstance(right, int) and abs(right) > 1024:
-            raise TemplateOverBudget("the chat template raises to a power above 1024")
+            raise TemplateOverBudget("the chat template raises to a power above its budget, 1024")
         return operator.pow(left, right)
 
 
@@ -123,8 +123,8 @@ class ChatTemplate:
             for piece in self.template.generate(**context):
                 size += len(piece)
                 if size > MAX_OUTPUT:
-                    raise TemplateOverBudget(f"the chat template wrote more than {MAX_OUTPUT} "
-                                             "characters")  # fmt: skip
+                    raise TemplateOverBudget("the chat template ran past its output budget of "
+                                             f"{MAX_OUTPUT} characters")  # fmt: skip
                 _tick()
                 pieces.append(piece)
             return "".join(pieces)
