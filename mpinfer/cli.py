@@ -370,7 +370,8 @@ def plan_main(argv: list[str]) -> int:
         s = cfg.server
         print("\n".join(fast.lines(a.host_gbps)))
         print(f"(what start-up sets: model.offload_blocks={fast.blocks}, server.kv_cache_dtype="
-              f"{s.kv_cache_dtype!r}, max_batch_slots={s.max_batch_slots}, max_prefill_tokens="
+              f"{s.kv_cache_dtype!r}, quant.embeddings={cfg.quant.embeddings!r}, "
+              f"max_batch_slots={s.max_batch_slots}, max_prefill_tokens="
               f"{s.max_prefill_tokens}; a step costs its copies at any batch until compute "
               "outlasts them: the budget buys KV room and rows, not resident blocks)")  # fmt: skip
         if not whole.fits:  # say what keeps every block on the GPU instead

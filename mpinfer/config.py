@@ -58,8 +58,10 @@ class QuantConfig:
     method: str = "int8"
     # LLM.int8() outlier threshold (bitsandbytes); ignored by the other methods.
     threshold: float = 6.0
-    # "none": embeddings and the tied LM head stay in the compute dtype; "int8": quantized too.
-    embeddings: str = "none"
+    # "none": embeddings and the tied LM head stay in the compute dtype; "int8": quantized too;
+    # "auto": "none", unless the model is over its memory budget and the throughput plan
+    # (offloadplan.py) finds that int8 ones buy more rows a step (it says so at start-up).
+    embeddings: str = "auto"
     # int4: inputs per group (one scale and offset each); a power of two, 32 to 512, that
     # divides every matrix's input features per rank.
     group_size: int = 128
@@ -179,9 +181,9 @@ class RunConfig:
                              "cannot be offloaded; use int8 or none")  # fmt: skip
         if self.quant.method not in QUANT_METHODS:
             raise ValueError(f"quant.method={self.quant.method!r}: expected one of {QUANT_METHODS}")
-        if self.quant.embeddings not in ("none", "int8"):
+        if self.quant.embeddings not in ("auto", "none", "int8"):
             raise ValueError(
-                f"quant.embeddings={self.quant.embeddings!r}: expected 'none' or 'int8'"
+                f"quant.embeddings={self.quant.embeddings!r}: expected 'auto', 'none' or 'int8'"
             )
         gs = self.quant.group_size
         if not (32 <= gs <= 512 and gs & (gs - 1) == 0):

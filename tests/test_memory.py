@@ -207,7 +207,8 @@ def test_over_the_budget_the_plan_is_for_throughput_not_resident_blocks():
 
     small = shape_of("bloom-560m")
     for shp, c, budget in ((shape, cfg, 6 * gib), (small, load_config(None, [
-            'quant.method="int8"', "server.max_batch_slots=64"]), 3 * gib)):  # fmt: skip
+            'quant.method="int8"', "server.max_batch_slots=64", 'quant.embeddings="none"']),
+            3 * gib)):  # fmt: skip
         got, plan = plan_for_throughput(shp, c, **{**kw, "budget": budget})
         again = with_offload(plan_memory(shp, got, tp_size=1, budget=budget),
                              plan_offload(shp, got, tp_size=1, budget=budget))  # fmt: skip
@@ -224,6 +225,39 @@ def test_over_the_budget_the_plan_is_for_throughput_not_resident_blocks():
     ):
         assert plan_for_throughput(shape, unchanged, **{**kw, "budget": parse(unchanged)}) == (
             unchanged, None)  # fmt: skip
+
+
+def test_auto_embeddings_are_int8_where_the_offload_plan_gains_by_them():
+    """quant.embeddings="auto" (the default) over the budget: bloom-7b1 at 6 GiB gets int8
+    embeddings, because its fp16 embedding is 1.9 GiB of the budget and the plan with int8 ones
+    predicts more rows and tokens/s than the same plan with "none" (asked for by name, and
+    kept); bloom-560m at 3 GiB with 64 slots fits with every block on the GPU once its
+    embeddings are int8, so it gets that and no offload; a model that fits keeps "auto" (the
+    compute dtype: every consumer reads it as "none")."""
+    from mpinfer.model.offloadplan import EMBEDDINGS_GAIN, plan_for_throughput, plan_offload
+    from mpinfer.model.sharding import specs_for
+
+    gib = 2**30
+    shape = shape_of("bloom-7b1")
+    kw = dict(tp_size=1, budget=6 * gib, host_bytes=100 * gib, host_gbps=55.0, gpu_tbps=4.3,
+              gpu_tflops=788.0)  # fmt: skip
+    auto, fast = plan_for_throughput(shape, load_config(None, []), **kw)
+    named, slow = plan_for_throughput(shape, load_config(None, ['quant.embeddings="none"']), **kw)
+    assert auto.quant.embeddings == "int8" and fast.embeddings_int8
+    assert named.quant.embeddings == "none" and not slow.embeddings_int8
+    assert fast.rows > slow.rows and fast.tok_s >= slow.tok_s * EMBEDDINGS_GAIN
+    assert fast.kv_tokens > slow.kv_tokens
+    small = shape_of("bloom-560m")
+    c = load_config(None, ['quant.method="int8"', "server.max_batch_slots=64"])
+    got, plan = plan_for_throughput(small, c, **{**kw, "budget": 3 * gib})
+    assert plan is None and got.quant.embeddings == "int8"
+    assert plan_offload(small, got, tp_size=1, budget=3 * gib) is None
+    assert plan_offload(small, c, tp_size=1, budget=3 * gib) is not None
+    fits = load_config(None, ['model.memory_budget="24GiB"'])
+    assert plan_for_throughput(shape, fits, **{**kw, "budget": 24 * gib}) == (fits, None)
+    # "auto" shards and plans as the compute dtype wherever it is not decided
+    kinds = {s.name: s.quant for s in specs_for(small, 1, fits.quant)}
+    assert kinds["word_embeddings.weight"] == ""
 
 
 def parse(cfg):

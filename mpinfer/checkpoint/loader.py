@@ -16,6 +16,7 @@ device. What is not here: the sharded format itself (sharded.py), which tensor i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -307,6 +308,9 @@ def _load_sharded(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
         raise ValueError("; ".join(errors))
     tp_size = manifest["tp_size"]
     shape = BloomShape.from_config(manifest["model_config"])
+    if cfg.quant.embeddings == "auto":  # the shards' own: the plan cannot change them
+        stored = manifest["quant"]["embeddings"]
+        cfg = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, embeddings=stored))
     cfg, off = plan_run(cfg, shape, tp_size, ctx)
     dtype = resolve_dtype(cfg.model.dtype, ctx.device)
     tp = TPGroup(ctx.rank, tp_size, ctx.compute_group if tp_size > 1 else None)

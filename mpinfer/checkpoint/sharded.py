@@ -52,7 +52,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".c
 
 def quant_record(q: QuantConfig) -> dict:
     """What the manifest says of the weights' format (int4's group and symmetry too)."""
-    out = {"method": q.method, "embeddings": q.embeddings}
+    out = {"method": q.method, "embeddings": "int8" if q.embeddings == "int8" else "none"}
     if q.method == "int4":
         out.update(group_size=q.group_size, symmetric=q.symmetric)
     return out
@@ -341,7 +341,7 @@ def check_rank(cfg: RunConfig, manifest: dict, out: Path, rank: int, world: int)
             f"{out} holds quant.method={stored['method']!r} weights, the config asks for "
             f"quant.method={asked.method!r}: set quant.method={stored['method']!r} or re-shard"
         )
-    if stored["embeddings"] != asked.embeddings:
+    if asked.embeddings != "auto" and stored["embeddings"] != asked.embeddings:
         raise ValueError(
             f"{out} holds quant.embeddings={stored['embeddings']!r}, the config asks for "
             f"quant.embeddings={asked.embeddings!r}"

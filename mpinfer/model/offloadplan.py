@@ -233,21 +233,52 @@ class ThroughputPlan:
     prefill_tokens: int  # max_prefill_tokens
     kv_int8: bool
     kv_tokens: int
+    embeddings_int8: bool
     step_ms: float  # predicted, at `rows`
     tok_s: float
 
     def lines(self, host_gbps: float) -> list[str]:
         return [f"{'throughput plan':<28}{self.blocks:8d} blocks in host memory, "
                 f"{self.rows} rows, {self.prefill_tokens} prompt tokens a step, "
-                f"{'int8' if self.kv_int8 else 'model-dtype'} KV ({self.kv_tokens} tokens): "
+                f"{'int8' if self.kv_int8 else 'model-dtype'} KV ({self.kv_tokens} tokens), "
+                f"{'int8' if self.embeddings_int8 else 'model-dtype'} embeddings: "
                 f"a step of {self.rows} rows {self.step_ms:.1f} ms, {self.tok_s:.0f} tok/s at "
                 f"{host_gbps:g} GB/s"]  # fmt: skip
 
 
 def plan_for_throughput(shape: BloomShape, cfg: RunConfig, *, tp_size: int, budget: int | None,
-                        host_bytes: int | None = None, host_gbps: float = PLAN_HOST_GBPS,
-                        gpu_tbps: float = PLAN_GPU_TBPS, gpu_tflops: float = PLAN_GPU_TFLOPS
-                        ) -> tuple[RunConfig, ThroughputPlan | None]:  # fmt: skip
+                        **rates) -> tuple[RunConfig, ThroughputPlan | None]:  # fmt: skip
+    """`_plan_for_throughput` (below), with quant.embeddings="auto" decided: a model over its
+    budget gets int8 embeddings and LM head where they make it fit with every block on the GPU,
+    or where the plan with them predicts at least EMBEDDINGS_GAIN more tokens/s (bloom-7b1 at
+    6 GiB: the fp16 embedding is 1.9 GiB of the budget, int8 halves it, and the KV cache gets
+    the rest: 106 rows a step instead of 75); otherwise they stay in the compute dtype. The
+    returned config names the choice; a config that names quant.embeddings keeps it."""
+    if cfg.quant.embeddings != "auto" or cfg.quant.method == "llm.int8":
+        return _plan_for_throughput(shape, cfg, tp_size=tp_size, budget=budget, **rates)
+    plans = {}
+    for emb in ("none", "int8"):
+        trial = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, embeddings=emb))
+        plans[emb] = _plan_for_throughput(shape, trial, tp_size=tp_size, budget=budget, **rates)
+    (plain, slow), (small, fast) = plans["none"], plans["int8"]
+    if slow is None:  # fits as it is (or cannot be planned): nothing to decide
+        return cfg, None
+    if fast is None:  # int8 embeddings alone make room for every block (if it fits at all)
+        off = plan_offload(shape, small, tp_size=tp_size, budget=budget)
+        fits = plan_memory(shape, small, tp_size=tp_size, budget=budget).fits
+        return (small, None) if off is None and fits else (plain, slow)
+    return (small, fast) if fast.tok_s >= slow.tok_s * EMBEDDINGS_GAIN else (plain, slow)
+
+
+# What int8 embeddings must buy before "auto" chooses them over the compute dtype's (their
+# logits round differently, so a few percent is not worth it).
+EMBEDDINGS_GAIN = 1.1
+
+
+def _plan_for_throughput(shape: BloomShape, cfg: RunConfig, *, tp_size: int, budget: int | None,
+                         host_bytes: int | None = None, host_gbps: float = PLAN_HOST_GBPS,
+                         gpu_tbps: float = PLAN_GPU_TBPS, gpu_tflops: float = PLAN_GPU_TFLOPS
+                         ) -> tuple[RunConfig, ThroughputPlan | None]:  # fmt: skip
     """A model over its budget with model.offload_blocks = -1: the config that maximizes
     tokens/s for the budget, and the plan. An offloaded step costs its copies at any batch
     until compute outlasts them, so each block moved to host memory costs a copy but gives its
@@ -309,8 +340,8 @@ def plan_for_throughput(shape: BloomShape, cfg: RunConfig, *, tp_size: int, budg
         if not plan.fits:
             continue
         step = off.predict_ms(rows, host_gbps, gpu_tbps, gpu_tflops)
-        cand = ThroughputPlan(n, rows, prefill_for(rows), kv_int8, plan.kv_tokens, step,
-                              rows / step * 1e3)  # fmt: skip
+        cand = ThroughputPlan(n, rows, prefill_for(rows), kv_int8, plan.kv_tokens,
+                              cfg.quant.embeddings == "int8", step, rows / step * 1e3)  # fmt: skip
         if best is None or cand.tok_s > best.tok_s * 1.001:  # ties: fewer blocks offloaded
             best = cand
     if best is None:

@@ -76,10 +76,11 @@ def shard_specs(shape: BloomShape, tp_size: int, *, weights: str = "int8",
                 embeddings: str = "none", group_size: int = 128,
                 symmetric: bool = False) -> list[ShardSpec]:  # fmt: skip
     """Every tensor the model loads, in load order. `weights`: the block matrices' format
-    ("int8", "int4" or "none"); `embeddings`: the embedding's ("int8" or "none")."""
+    ("int8", "int4" or "none"); `embeddings`: the embedding's ("int8"; "none" or "auto": the
+    compute dtype)."""
     h, v = shape.hidden_size, shape.vocab_size
     w = "" if weights == "none" else weights
-    e = "" if embeddings == "none" else embeddings
+    e = "int8" if embeddings == "int8" else ""
     group = group_size if w == "int4" else 0
 
     def mat(name, dims, split):
