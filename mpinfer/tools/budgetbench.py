@@ -9,15 +9,19 @@ thread that reads the serving processes' own GPU memory from NVML every 100 ms:
               system prompt (about 1,000 tokens), a burst of 32 x 128, greedy texts of 8 prompts
     12GiB     64 clients on unique prompts, and the same greedy texts (a second start)
     6GiB      the model over its budget: the throughput plan (offloadplan.py: blocks in host
-              memory, int8 KV, rows), 128 closed-loop clients of short prompts x 128 tokens,
-              the greedy texts again
+              memory, int8 KV, int8 embeddings, rows), 128 closed-loop clients of short
+              prompts x 128 tokens, the greedy texts again
+    6GiB-twin the same dtypes all on the GPU (24GiB, int8 KV and embeddings): greedy texts
+              only, the resident server the offloaded one must equal (int8 embeddings round
+              the logits differently from the 24GiB server's fp16 ones)
     int4      int4 weights at 24GiB, 64 slots: the unique mix at 32 and 64 clients, greedy
               texts twice (stable)
 
 and reports each server's peak against its budget (the process's whole footprint: what a 24 GB
-card would have to hold), tokens/s and latencies, and whether the greedy texts of the three
-starts agree. With --engine, the engine's own step (no server) for the mix's ideal. What is not
-here: the served speed's other phases (servegpu.py), the KV layouts (kvbench.py).
+card would have to hold), tokens/s and latencies, whether the greedy texts of 24GiB and 12GiB
+agree, and whether the offloaded server's equal its resident twin's. With --engine, the
+engine's own step (no server) for the mix's ideal. What is not here: the served speed's other
+phases (servegpu.py), the KV layouts (kvbench.py).
 """
 
 from __future__ import annotations
@@ -158,6 +162,9 @@ def run_budget(a) -> dict:
                                                            work=short_work()))}  # fmt: skip
         return {"phases": ph, "greedy": greedy(url)}
 
+    def twin(url):
+        return {"phases": {}, "greedy": greedy(url)}
+
     def int4(url):
         ph = {f"unique-{c}": asyncio.run(loadgen.closed_loop(url, c, a.seconds / 2))
               for c in (32, 64)}  # fmt: skip
@@ -168,6 +175,7 @@ def run_budget(a) -> dict:
         "24GiB": ("24GiB", full, "server.max_batch_slots=64"),
         "12GiB": ("12GiB", half, "server.max_batch_slots=64"),
         "6GiB": (a.offload_mem, offload),
+        "6GiB-twin": ("24GiB", twin, 'quant.embeddings="int8"', 'server.kv_cache_dtype="int8"'),
         "int4": ("24GiB", int4, "server.max_batch_slots=64", 'quant.method="int4"'),
     }
     for name in a.budgets:
@@ -176,10 +184,18 @@ def run_budget(a) -> dict:
             result["servers"][name] = serve(ckpt, budget, fn, *common, *extra)
         except Exception as e:  # one server failing must not lose the others' figures
             result["servers"][name] = {"budget": budget, "error": f"{type(e).__name__}: {e}"}
-    texts = [r["greedy"] for n, r in result["servers"].items() if "greedy" in r and n != "int4"]
-    result["greedy_equal"] = [all(t[i] == texts[0][i] for t in texts)
-                              for i in range(len(PROMPTS))] if texts else []  # fmt: skip
+    result["greedy_equal"] = same_texts(result, "24GiB", "12GiB")
+    result["offload_equal_twin"] = same_texts(result, "6GiB", "6GiB-twin")
     return result
+
+
+def same_texts(result: dict, *names: str) -> list[bool]:
+    """Per prompt, whether the named servers (those that ran) gave the same greedy text."""
+    texts = [result["servers"][n]["greedy"] for n in names
+             if "greedy" in result["servers"].get(n, {})]  # fmt: skip
+    if len(texts) < 2:
+        return []
+    return [all(t[i] == texts[0][i] for t in texts) for i in range(len(PROMPTS))]
 
 
 def budget_table(r: dict) -> str:
@@ -200,22 +216,23 @@ def budget_table(r: dict) -> str:
                                    f"{p['ttft_ms_median']:.0f}", "-",
                                    f"{p['itl_ms_median']:.1f}", "-", "-", "-", "-",
                                    p["errors"]])  # fmt: skip
-    eq = r.get("greedy_equal", [])
+    eq, off = r.get("greedy_equal", []), r.get("offload_equal_twin", [])
     return "\n".join([
         f"{r['machine'].get('gpu', 'cpu')}: {r['shape']} int8, random weights, `mpinfer serve "
         "--nproc 1`; the server's GPU memory as NVML counts it, every 100 ms", "",
         md_table(["budget", "budget MiB", "at ready MiB", "peak MiB", "peak - budget",
                   "KV cache"], rows), "",
         md_table(loadgen.PHASE_HEADER, phase_rows), "",
-        f"greedy texts (8 prompts x 32 tokens) equal across the starts: {sum(eq)} of {len(eq)}",
+        f"greedy texts (8 prompts x 32 tokens), 24GiB and 12GiB equal: {sum(eq)} of {len(eq)}; "
+        f"6GiB offloaded equal to its resident twin: {sum(off)} of {len(off)}",
     ])  # fmt: skip
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="mpinfer bench budget", description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="bloom-7b1", choices=list(SHAPES))
-    p.add_argument("--budgets", default="24GiB,12GiB,6GiB,int4",
-                   help="which servers, in order (24GiB, 12GiB, 6GiB, int4)")  # fmt: skip
+    p.add_argument("--budgets", default="24GiB,12GiB,6GiB,6GiB-twin,int4",
+                   help="servers, in order (24GiB, 12GiB, 6GiB, 6GiB-twin, int4)")  # fmt: skip
     p.add_argument("--offload-mem", default="6GiB", help="the over-budget server's budget")
     p.add_argument("--seconds", type=float, default=30)
     p.add_argument("--workdir", default="/tmp/mpinfer-bench")
