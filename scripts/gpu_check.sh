@@ -14,6 +14,10 @@
 #   serve     the served speed (mpinfer bench serve --gpu)
 #   budget    the server's memory against its budget under load, the sustained mixes with their
 #             prefix-cache hit rates, offload through the server, int4 served (bench budget)
+#   int4-row1 re-tune the one-row int4 loop, its kernel table, every family's GPU test
+#   r5-kernels  round 5: re-tune the one-row int4 and the tiled int8 launches (fp16), the matmul
+#             table, the kernels' GPU tests; r5-serve: int4 decode steps (7b1, 176B on one GPU),
+#             then the budget servers (BUDGETS, default 6GiB,6GiB-twin,24GiB)
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
 #   final     budget, int4, int4-176b, kernels, then the GPU tests
@@ -54,6 +58,32 @@ tune)
     TAIL=4 stage tune-int4 230 bench kernels --tune "$table" --quant int4 --rows $rows \
         --bf16-rows $rows --out "$RES/tune-int4.json"
     cp "$table" "$RES/" ;;
+r5-kernels)  # round 5: the one-row int4 loop (magic4/5) and the tiled int8 loops (256-row tiles)
+    # re-tuned in fp16 (the table keeps its other entries), then the matmul table; the table is
+    # also left in /tmp for a later call on the same warm machine (r5-serve)
+    TAIL=4 stage tune-int4-row1 "${TUNE4_TIME:-200}" bench kernels --tune "$table" --quant int4 \
+        --rows 1 --models bloom-7b1,bloom-176b:8,bloom-176b --out "$RES/tune-int4-row1.json"
+    TAIL=4 stage tune-int8-tiled "${TUNE8_TIME:-200}" bench kernels --tune "$table" --quant int8 \
+        --rows 128,256,576 --out "$RES/tune-int8-tiled.json"
+    cp "$table" "$RES/"; cp "$table" /tmp/r5-table.json
+    TAIL=60 stage kernels "${KERNEL_TIME:-90}" bench kernels --rows 1,16,64,128,256,576 \
+        --quant int8,int4 --models bloom-7b1,bloom-176b:8 --out "$RES/kernels.json"
+    TAIL=15 stage gpu-tests-kernels "$(left)" gpu_tests -k "linear or family" ;;
+r5-serve)  # round 5: int4 decode (7b1, and BLOOM-176B whole on one GPU), then the budget servers
+    [ -f /tmp/r5-table.json ] && cp /tmp/r5-table.json "$table" && echo "table from r5-kernels"
+    TAIL=25 stage int4-7b1 "${INT4_TIME:-100}" bench gpu --shape bloom-7b1 --quant int4 \
+        --out "$RES/int4-7b1.json"
+    TAIL=25 stage int4-176b "${INT4_176B_TIME:-150}" bench gpu --shape bloom-176b \
+        --rows mpinfer-int4 --batches 1,8 --out "$RES/int4-176b.json"
+    TAIL=30 stage budget "$(left)" bench budget --workdir /tmp/mb --seconds "${SUSTAIN:-20}" \
+        --budgets "${BUDGETS:-6GiB,6GiB-twin,24GiB}" --out "$RES/budget.json" ;;
+int4-row1)  # the one-row int4 loop: re-tune it, the one- and 16-row table, every family's test
+    TAIL=4 stage tune-int4-row1 "${TUNE_TIME:-200}" bench kernels --tune "$table" --quant int4 \
+        --rows 1 --bf16-rows 1 --out "$RES/tune-int4-row1.json"
+    cp "$table" "$RES/"
+    TAIL=30 stage kernels-row1 60 bench kernels --rows 1,16 --quant int8,int4 \
+        --models bloom-7b1,bloom-176b:8 --out "$RES/kernels-row1.json"
+    TAIL=15 stage gpu-tests-family 150 gpu_tests -k "family" ;;
 kernels)  # the matmul table, then the kernels' GPU tests
     TAIL=60 stage kernels "${KERNEL_TIME:-90}" bench kernels --rows 1,16,64,128,256,576 \
         --quant int8,int4 --models bloom-7b1,bloom-176b:8 --out "$RES/kernels.json" ;;

@@ -32,9 +32,13 @@ def test_every_sweep_config_name_round_trips():
         assert tuning.name(kw, warps, stages) == n
     bf16 = tuning.names(tuning.SWEEP_FAMILIES, (1,), "bfloat16")
     assert {n.split()[5] for n in bf16} == {"magic0", "magic2"}  # the Triton-op trick is fp16 only
-    assert {n.split()[5] for n in all_names} == {"magic0", "magic1", "magic2"}
+    assert {n.split()[5] for n in all_names} == {f"magic{m}" for m in range(6)}
     int4 = tuning.names(tuning.INT4_FAMILIES, (1,), "bfloat16", bits=4, group=64)
-    assert {n.split()[5] for n in int4} == {"magic0", "magic2"}
+    assert {n.split()[5] for n in int4} == {"magic0", "magic2", "magic3", "magic4", "magic5"}
+    # the fp32 mantissa trick is the one-row int4 loop's alone, and int8 never sweeps it
+    assert all(n.startswith("fma") for n in int4 if n.split()[5] in ("magic3", "magic4", "magic5"))
+    int8 = tuning.names(tuning.SWEEP_FAMILIES + tuning.TILED_FAMILIES, (1,), "float16")
+    assert {n.split()[5] for n in int8} == {"magic0", "magic1", "magic2"}
     assert {n.split()[2] for n in int4} == {"k64"}
     assert tuning.parse("swap n128 k64 split1 pf0 magic2 w8 s3 m128")[0]["BLOCK_M"] == 128
 
@@ -65,6 +69,9 @@ def test_a_bad_config_name_is_refused_by_name(bad):
      ("fma n8 k512 split1 pf1 magic1 w4 s1", 1, 250880, 4096, "float16", 8, None),
      ("dot n64 k128 split1 pf0 magic2 w4 s3", 1, 4096, 4096, "bfloat16", 8, None),
      ("fma n16 k128 split1 pf0 magic2 w4 s3", 1, 4096, 4096, "bfloat16", 4, None),
+     ("fma n64 k128 split4 pf0 magic4 w4 s3", 1, 4096, 4096, "bfloat16", 4, None),
+     ("fma n64 k128 split4 pf0 magic3 w4 s3", 1, 4096, 4096, "float16", 8, "are int4's"),
+     ("dot n64 k128 split4 pf0 magic4 w4 s3", 16, 4096, 4096, "float16", 4, "one-row loop"),
      ("swap n64 k128 split1 pf0 magic2 w4 s4", 16, 4096, 4096, "float16", 4, "not repeatable"),
      ("dot n64 k128 split4 pf0 magic2 w4 s3", 1, 4096, 4096, "float16", 4, None),
      ("swap n128 k128 split3 pf0 magic1 w8 s3 m64", 576, 5376, 14336, "float16", 4, "workspace"),

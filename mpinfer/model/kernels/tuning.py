@@ -60,11 +60,19 @@ TILED_FAMILIES = [
     ("dot", 128, 64, 8, 3, 0, 128), ("dot", 256, 64, 8, 3, 0, 128), ("dot", 128, 128, 8, 3, 0, 64),
     ("dot", 128, 64, 4, 4, 0, 64), ("swap", 128, 64, 8, 3, 0, 128), ("swap", 128, 128, 8, 3, 0, 64),
     ("swap", 256, 64, 8, 3, 0, 128), ("swap", 64, 128, 4, 4, 0, 128),
+    # Round 5: 256 rows a program (the tensor cores' widest tile: each converted weight feeds
+    # twice the products, and in the swap loop the conversion is what competes with them) and
+    # K tiles of 128 (half the barriers a product); Triton 3.6 keeps none of the dot loop's
+    # products in flight across its converted tile (it waits for each), the swap loop up to 3.
+    ("swap", 128, 64, 8, 3, 0, 256), ("swap", 128, 64, 8, 4, 0, 256),
+    ("swap", 64, 64, 4, 4, 0, 256), ("dot", 128, 128, 8, 3, 0, 128),
 ]  # fmt: skip
 # int4: BLOCK_K is the group size, set per launch; these are the families at 128.
 INT4_FAMILIES = [
     ("fma", 16, 128, 4, 3, 0, 0), ("fma", 32, 128, 4, 3, 0, 0), ("fma", 64, 128, 4, 3, 0, 0),
-    ("fma", 16, 128, 4, 3, 1, 0), ("fma", 32, 128, 4, 3, 1, 0), ("dot", 64, 128, 4, 4, 0, 0),
+    ("fma", 16, 128, 4, 3, 1, 0), ("fma", 32, 128, 4, 3, 1, 0), ("fma", 128, 128, 4, 3, 0, 0),
+    ("fma", 64, 128, 8, 3, 0, 0), ("fma", 128, 128, 8, 3, 0, 0), ("fma", 64, 128, 4, 3, 1, 0),
+    ("dot", 64, 128, 4, 4, 0, 0),
     ("dot", 32, 128, 4, 3, 0, 0), ("dot", 64, 128, 4, 3, 0, 0), ("swap", 64, 128, 4, 4, 0, 0),
     ("swap", 128, 128, 4, 3, 0, 0),
     ("dot", 128, 128, 8, 3, 0, 128), ("dot", 128, 128, 8, 3, 0, 64),
@@ -79,7 +87,7 @@ TILED_SPLITS = (1, 2, 3, 4)
 TILED_MAGIC = {"float16": (1, 2), "bfloat16": (0, 2)}
 
 _NAME = re.compile(
-    r"(dot|swap|fma) n(\d+) k(\d+) split(\d+) pf([01]) magic([012]) w(\d+) s(\d+)(?: m(\d+))?"
+    r"(dot|swap|fma) n(\d+) k(\d+) split(\d+) pf([01]) magic([0-5]) w(\d+) s(\d+)(?: m(\d+))?"
 )
 
 
@@ -113,8 +121,11 @@ def dtype_name(dtype) -> str:
 def magics(dtype: str, bits: int = 8) -> tuple[int, ...]:
     """The weight conversions a launch of this activation dtype may use (1 makes fp16 only; 2,
     packed PTX, makes any dtype for int8, and for int4 fp16 weights: any dtype in the one-row
-    loop, fp16 only in the tensor-core loops, which `illegal` says)."""
-    return (0, 1, 2) if dtype == "float16" else (0, 2)
+    loop, fp16 only in the tensor-core loops, which `illegal` says; 3 and 4, int4's fp32
+    mantissa trick in Triton ops and in PTX, and 5, the PTX one with the scale and offset applied
+    once per run of eight weights: the one-row loop only)."""
+    base = (0, 1, 2) if dtype == "float16" else (0, 2)
+    return base + (3, 4, 5) if bits == 4 else base
 
 
 def names(families, splits, dtype: str, magic=None, *, bits: int = 8, group: int = 128
@@ -126,6 +137,10 @@ def names(families, splits, dtype: str, magic=None, *, bits: int = 8, group: int
         bk = group if bits == 4 else bk
         for split in splits:
             for m in magics(dtype, bits):
+                if loop == "fma" and bits == 4 and m == 1:
+                    continue  # the one-row int4 loop runs magic1 as magic0
+                if m >= 3 and not (loop == "fma" and bits == 4):
+                    continue  # the mantissa trick is the one-row int4 loop's alone
                 if magic is None or m in magic:
                     out.append(name(dict(USE_DOT=int(loop != "fma"), SWAP=int(loop == "swap"),
                                          BLOCK_N=bn, BLOCK_K=bk, split_k=split, PREFETCH=pf,
@@ -133,12 +148,19 @@ def names(families, splits, dtype: str, magic=None, *, bits: int = 8, group: int
     return out
 
 
+# What the int4 one-row loop's sweep leaves out: magic0 lost every one-row launch to magic2 on
+# the H200 (round 4), and magic3 is magic4 in Triton ops (what the CPU's interpreter runs).
+INT4_FMA_UNSWEPT = (0, 3)
+
+
 def candidates(bucket: int, dtype: str, *, bits: int = 8, group: int = 128) -> list[str]:
     """What `--tune` sweeps for a row bucket (illegal ones are dropped per launch)."""
     if bits == 4:
         fams = [f for f in INT4_FAMILIES if (f[6] > 0) == (bucket > SINGLE_TILE)]
-        return names(fams, INT4_SPLITS if bucket <= SINGLE_TILE else TILED_SPLITS, dtype,
-                     bits=4, group=group)  # fmt: skip
+        out = names(fams, INT4_SPLITS if bucket <= SINGLE_TILE else TILED_SPLITS, dtype, bits=4,
+                    group=group)  # fmt: skip
+        return [n for n in out if not (n.startswith("fma") and parse(n)[0]["MAGIC"]
+                                       in INT4_FMA_UNSWEPT)]  # fmt: skip
     if bucket > SINGLE_TILE:
         return names(TILED_FAMILIES, TILED_SPLITS, dtype, TILED_MAGIC[dtype])
     return names(SWEEP_FAMILIES, SWEEP_SPLITS, dtype)
@@ -174,7 +196,11 @@ def illegal(name_: str, rows: int, N: int, K: int, dtype: str, *, bits: int = 8,
     if kw["SWAP"] and rows == 1:
         return "swap is for several rows"
     if kw["MAGIC"] not in magics(dtype, bits):
+        if kw["MAGIC"] >= 3:
+            return "magic3-5 (the fp32 mantissa trick) are int4's"
         return "magic1 (the Triton-op bit trick) makes fp16 only"
+    if kw["MAGIC"] >= 3 and kw["USE_DOT"]:
+        return "magic3-5 (fp32 weights) are for the one-row loop"
     if bits == 4 and kw["MAGIC"] == 2 and kw["USE_DOT"] and dtype != "float16":
         return "int4's magic2 makes fp16 weights: the tensor-core loops need the activations' dtype"
     if bits == 4 and kw["MAGIC"] == 2 and kw["SWAP"]:

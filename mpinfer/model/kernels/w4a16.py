@@ -22,12 +22,27 @@ applies scale and offset in fp16, one weight at a time; MAGIC 2 does the same in
 eight weights from four bytes in 17 instructions with no conversion-unit work (the tensor-core
 loops: fp16 only; the one-row loop: any dtype, its fp16 weights then widened to fp32); MAGIC 0
 goes through fp32 (the int -> float conversion unit, 16 values per clock per SM on Hopper: two
-per byte is about what caps a one-row int4 launch near 1.2 TB/s). PREFETCH 1 makes the one-row
-loop take two groups an iteration (two independent weight loads in flight; Triton does not
-pipeline that loop).
+per byte is about what caps a one-row int4 launch near 1.2 TB/s). MAGIC 2 in the one-row loop
+still widens each fp16 weight to fp32 in that unit, which held it near 1.4 TB/s; MAGIC 3 and 4
+(one-row loop only) never convert a weight: each nibble goes under the mantissa of an fp32 1.0
+(low nibble at mantissa bit 16, 1 + q/128; high at bit 12, 1 + q/2048), and the group's scale
+and offset are refolded per row, once a group, so one fp32 multiply-add gives the weight:
+
+    q s + z = m (128 s) + (z - 128 s)   (low)        m (2048 s) + (z - 2048 s)   (high)
+
+(exact but for one rounding of the offset and one of the product: errors under 2^-11 s, far
+below fp16's rounding of the weight in MAGIC 2). MAGIC 3 does it in Triton ops, MAGIC 4 in
+packed PTX (one `prmt` and two `lop3` a byte). MAGIC 5 (`_factored`) makes MAGIC 4's mantissas
+but leaves the scale and offset out of the products: it sums a thread's run of eight m * x and
+applies the group's scale and offset to the sum, one fma a weight instead of two, which is what
+the one-row loop is short of (its instructions, not its loads, set its pace: about 3 a weight
+against int8's 1.3). PREFETCH 1 makes the one-row loop take two groups
+an iteration (two independent weight loads in flight; Triton does not pipeline that loop).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -63,11 +78,56 @@ fma.rn.f16x2 $2, a2, $5, $7;
 fma.rn.f16x2 $3, a3, $6, $8;
 }""")
 
+# Four packed bytes to their eight nibbles as fp32 numbers 1 + q/128 (low nibbles, $0-$3) and
+# 1 + q/2048 (high, $4-$7), MAGIC=4: one `prmt` copies byte j into bytes 1 and 2 of a zero
+# word, then one `lop3` a nibble keeps it (bits 16-19 or 12-15) under the bits of 1.0f.
+_U4_TO_F32 = tl.constexpr("""{
+.reg .b32 t;
+prmt.b32 t, $8, 0, 0x4004;
+lop3.b32 $0, t, 0x000F0000, 0x3F800000, 0xEA;
+lop3.b32 $4, t, 0x0000F000, 0x3F800000, 0xEA;
+prmt.b32 t, $8, 0, 0x4114;
+lop3.b32 $1, t, 0x000F0000, 0x3F800000, 0xEA;
+lop3.b32 $5, t, 0x0000F000, 0x3F800000, 0xEA;
+prmt.b32 t, $8, 0, 0x4224;
+lop3.b32 $2, t, 0x000F0000, 0x3F800000, 0xEA;
+lop3.b32 $6, t, 0x0000F000, 0x3F800000, 0xEA;
+prmt.b32 t, $8, 0, 0x4334;
+lop3.b32 $3, t, 0x000F0000, 0x3F800000, 0xEA;
+lop3.b32 $7, t, 0x0000F000, 0x3F800000, 0xEA;
+}""")
+
+
+# Triton's interpreter (CPU tests) runs no PTX: there MAGIC 5 makes its mantissas in Triton ops
+# (MAGIC 3's way), so the CPU tests check its algebra and the GPU tests its PTX.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _mantissas(b, PTX: tl.constexpr):
+    """Packed bytes (rows, G/2) as the fp32 numbers 1 + q/128 (low nibbles) and 1 + q/2048
+    (high), each nibble under the mantissa of 1.0: in PTX (MAGIC 4) or in Triton ops (3)."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            _U4_TO_F32, "=r,=r,=r,=r,=r,=r,=r,=r,r", [b], dtype=(tl.float32, tl.float32),
+            is_pure=True, pack=4,
+        )  # fmt: skip
+    b32 = b.to(tl.uint32)
+    m_lo = (((b32 & 0xF) << 16) | 0x3F800000).to(tl.float32, bitcast=True)
+    m_hi = (((b32 & 0xF0) << 8) | 0x3F800000).to(tl.float32, bitcast=True)
+    return m_lo, m_hi
+
 
 @triton.jit
 def _nibbles(b, s, z, dtype: tl.constexpr, MAGIC: tl.constexpr):
     """A (rows, G/2) tile of packed bytes as its two (rows, G/2) halves of weights in `dtype`:
     q * s + z, s and z (rows, 1) fp16."""
+    if MAGIC >= 3:  # fp32 weights with no conversion (one-row loop): the module's docstring
+        m_lo, m_hi = _mantissas(b, MAGIC == 4)
+        s_lo = s.to(tl.float32) * 128.0
+        s_hi = s.to(tl.float32) * 2048.0
+        z32 = z.to(tl.float32)
+        return (m_lo * s_lo + (z32 - s_lo)).to(dtype), (m_hi * s_hi + (z32 - s_hi)).to(dtype)
     if MAGIC == 2:
         lo, hi = tl.inline_asm_elementwise(_U4_TO_F16, "=r,=r,=r,=r,r,r,r,r,r", [b, s, z],
                                            dtype=(tl.float16, tl.float16), is_pure=True,
@@ -82,6 +142,38 @@ def _nibbles(b, s, z, dtype: tl.constexpr, MAGIC: tl.constexpr):
     s32, z32 = s.to(tl.float32), z.to(tl.float32)
     return ((lo.to(tl.float32) * s32 + z32).to(dtype),
             (hi.to(tl.float32) * s32 + z32).to(dtype))  # fmt: skip
+
+
+# MAGIC 5 sums this many consecutive products of mantissas and activations (one thread's run of
+# packed bytes: the one-row loop's loads are 8 bytes wide) before the group's scale and offset
+# are applied, once per run instead of once per weight.
+FACTOR_RUN = tl.constexpr(8)
+
+
+@triton.jit
+def _factored(b, s, z, x_lo, x_hi, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """A group's contribution to the one-row loop's (BLOCK_N, HALF / FACTOR_RUN) sums, with the
+    scale and offset factored out of the products (MAGIC 5). With m = 1 + q/128 (low nibbles)
+    and 1 + q/2048 (high), the fp32 numbers MAGIC 4 makes without conversion, a run's sum is
+
+        sum (q s + z) x = s (128 P_lo + 2048 P_hi - X_w) + z X_s
+        P = sum m x (per row),  X_w = sum 128 x_lo + 2048 x_hi,  X_s = sum x_lo + x_hi
+
+    (X per run, shared by every row): one fma a weight and a few per run of eight, instead of
+    two a weight. P's rounding is relative to |x| where q's part is q/128 (q/2048) of it: at
+    most 2^-24 * 2048 / q of a product, under fp16's rounding of the weight that MAGIC 2
+    makes."""
+    m_lo, m_hi = _mantissas(b, not INTERPRETED)
+    RUNS: tl.constexpr = HALF // FACTOR_RUN
+    p_lo = tl.sum(tl.reshape(m_lo * x_lo[None, :], (BLOCK_N, RUNS, FACTOR_RUN)), axis=2)
+    p_hi = tl.sum(tl.reshape(m_hi * x_hi[None, :], (BLOCK_N, RUNS, FACTOR_RUN)), axis=2)
+    # (1, RUNS): summed in the products' layout, so no thread waits for another
+    xs_lo = tl.sum(tl.reshape(x_lo[None, :], (1, RUNS, FACTOR_RUN)), axis=2)
+    xs_hi = tl.sum(tl.reshape(x_hi[None, :], (1, RUNS, FACTOR_RUN)), axis=2)
+    x_w = 128.0 * xs_lo + 2048.0 * xs_hi
+    x_s = xs_lo + xs_hi
+    s32, z32 = s.to(tl.float32), z.to(tl.float32)  # (BLOCK_N, 1)
+    return s32 * (128.0 * p_lo + 2048.0 * p_hi - x_w) + z32 * x_s
 
 
 @triton.jit(do_not_specialize=["split_k"])
@@ -166,8 +258,10 @@ def _w4a16(
             tile, pid_k, split_k, M * N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
             False, HAS_BIAS, ACT, HAS_RES,
         )  # fmt: skip
-    else:  # one row
-        acc2 = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
+    else:  # one row (MAGIC 1, fp16 only, is MAGIC 0 here: its weights would be widened)
+        CONV: tl.constexpr = 0 if MAGIC == 1 else MAGIC
+        ACC_K: tl.constexpr = HALF // FACTOR_RUN if MAGIC == 5 else HALF
+        acc2 = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
         x_ptrs = x_ptr + g_lo * BLOCK_K + offs_h
         for g in range(g_lo, g_hi, 1 + PREFETCH):
             b = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
@@ -182,13 +276,18 @@ def _w4a16(
                 h_ok = offs_h < HALF * has2
                 x2_lo = tl.load(x_ptrs + BLOCK_K, mask=h_ok, other=0.0).to(tl.float32)
                 x2_hi = tl.load(x_ptrs + BLOCK_K + HALF, mask=h_ok, other=0.0).to(tl.float32)
-            lo, hi = _nibbles(b, s, z, tl.float32, MAGIC // 2 * 2)  # 0 or 2
             x_lo = tl.load(x_ptrs).to(tl.float32)
             x_hi = tl.load(x_ptrs + HALF).to(tl.float32)
-            acc2 += lo * x_lo[None, :] + hi * x_hi[None, :]
-            if PREFETCH:
-                lo2, hi2 = _nibbles(b2, s2, z2, tl.float32, MAGIC // 2 * 2)
-                acc2 += lo2 * x2_lo[None, :] + hi2 * x2_hi[None, :]
+            if MAGIC == 5:
+                acc2 += _factored(b, s, z, x_lo, x_hi, BLOCK_N, HALF)
+                if PREFETCH:
+                    acc2 += _factored(b2, s2, z2, x2_lo, x2_hi, BLOCK_N, HALF)
+            else:
+                lo, hi = _nibbles(b, s, z, tl.float32, CONV)
+                acc2 += lo * x_lo[None, :] + hi * x_hi[None, :]
+                if PREFETCH:
+                    lo2, hi2 = _nibbles(b2, s2, z2, tl.float32, CONV)
+                    acc2 += lo2 * x2_lo[None, :] + hi2 * x2_hi[None, :]
             w_ptrs += HALF * (1 + PREFETCH)
             s_ptrs += N * (1 + PREFETCH)
             z_ptrs += N * (1 + PREFETCH)
