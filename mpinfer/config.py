@@ -150,6 +150,11 @@ class ServerConfig:
     prefill_hold_steps: int = 0
     # Serve /docs and /redoc (Swagger UI and ReDoc, whose scripts come from a CDN).
     docs: bool = False
+    # Rows of logits the sampler takes a pass (0: 66 of BLOOM's 250,880-token vocabulary, 16 with
+    # blocks in host memory): a pass's temporaries are about 64 bytes a logit (16 rows: 245 MiB
+    # that the KV cache does not get), and each pass costs the host about 0.7 ms of launches,
+    # hidden behind the GPU's step when that is long (a large model on small cards).
+    sampler_rows: int = 0
     # Capture the decode step in CUDA graphs (one per batch-size bucket) on GPUs.
     cuda_graphs: bool = True
     # A Jinja chat template file for /v1/chat/completions; "" = the tokenizer's, else BLOOM's
@@ -228,6 +233,8 @@ class RunConfig:
                              "'model' or 'int8'")  # fmt: skip
         if s.prefill_hold_steps < 0:
             raise ValueError(f"server.prefill_hold_steps={s.prefill_hold_steps} must be >= 0")
+        if s.sampler_rows < 0:
+            raise ValueError(f"server.sampler_rows={s.sampler_rows} must be >= 0 (0: automatic)")
         return self
 
 

@@ -50,14 +50,14 @@ def test_plan_command_prints_gib_lines_and_fails_when_too_small(capsys):
     code = mpinfer_main(["plan", "--config", str(ROOT / "configs/bloom-176b-8x24gb.toml"),
                          "--tp", "4", "--set", "model.offload_blocks=0"])  # fmt: skip
     out = capsys.readouterr().out
-    # 42.80 GiB of weights, workspace and margin + one 2048-token sequence of 0.957 MiB a token.
-    assert code == 1 and "does not fit: needs 44.71 GiB per GPU, has 23.99; try tp=8" in out
+    # 42.62 GiB of weights, workspace and margin + one 2048-token sequence of 0.957 MiB a token.
+    assert code == 1 and "does not fit: needs 44.53 GiB per GPU, has 23.99; try tp=8" in out
     # By default the planner puts blocks in host memory instead, and says what would not.
     code = mpinfer_main(["plan", "--config", str(ROOT / "configs/bloom-176b-8x24gb.toml"),
                          "--tp", "4", "--host-mem", "512GiB"])  # fmt: skip
     out = capsys.readouterr().out
-    assert code == 0 and "blocks in host memory             39 of 70" in out
-    assert "every block on the GPU would need 44.71 GiB per GPU, has 23.99: try tp=8" in out
+    assert code == 0 and "blocks in host memory             38 of 70" in out
+    assert "every block on the GPU would need 44.53 GiB per GPU, has 23.99: try tp=8" in out
     code = mpinfer_main(["plan", "--config", str(ROOT / "configs/bloom-7b1.toml"),
                          "--gpu-mem", "12GiB", "--quant", "none",
                          "--set", "model.offload_blocks=0"])  # fmt: skip
@@ -78,27 +78,44 @@ def test_workspace_counts_the_sampler_and_the_step_graphs():
                                             budget=80 * 2**30).items  # fmt: skip
 
 
+def test_sampler_rows_bound_the_sampler_pass_the_plan_counts():
+    """server.sampler_rows caps the rows of one sampler pass, and the plan counts that pass (64
+    bytes a logit) and gives the rest to the KV cache; 0 is automatic, a negative value an
+    error naming the key."""
+    v = 250880
+    auto = load_config(str(ROOT / "configs/bloom-7b1.toml"), ["server.max_batch_slots=48"])
+    four = load_config(str(ROOT / "configs/bloom-7b1.toml"),
+                       ["server.max_batch_slots=48", "server.sampler_rows=4"])  # fmt: skip
+    p_auto, p_four = (plan_memory(shape_of("bloom-7b1"), c, tp_size=1, budget=24 * 2**30)
+                      for c in (auto, four))  # fmt: skip
+    assert p_auto.items["sampler temporaries"] == 48 * v * 64  # 48 rows fit one pass of 66
+    assert p_four.items["sampler temporaries"] == max(4 * v * 64, 16 * v * (2 + 12))
+    assert p_four.kv_tokens > p_auto.kv_tokens
+    with pytest.raises(ValueError, match="server.sampler_rows=-1"):
+        load_config(str(ROOT / "configs/bloom-7b1.toml"), ["server.sampler_rows=-1"])
+
+
 def test_the_plan_counts_sequences_in_blocks_not_in_max_seq_len_slots():
     """BLOOM-176B int8 on 8 x 24 GB cards (24,564 MiB, everything the process holds counted):
-    the static layout's one slot of 2,048 tokens becomes 4 requests of 512 + 256 in blocks of
-    16 (9 with an int8 cache), int4 weights 28 (55); bloom-7b1 int8 on a 24 GiB card: 15 slots
+    the static layout's one slot of 2,048 tokens becomes 5 requests of 512 + 256 in blocks of
+    16 (10 with an int8 cache), int4 weights 31 (60); bloom-7b1 int8 on a 24 GiB card: 15 slots
     become >= 40."""
     cfg = load_config(str(ROOT / "configs/bloom-176b-8x24gb.toml"))
     card = 24564 * 2**20
     plan = plan_memory(shape_of("bloom-176b"), cfg, tp_size=8, budget=card)
     assert plan.slots == 1 and plan.kv_blocks == plan.kv_tokens // 16
-    assert plan.sequences(768) == min(plan.kv_blocks // 48, 16) == 4
+    assert plan.sequences(768) == min(plan.kv_blocks // 48, 16) == 5
     kv8 = load_config(str(ROOT / "configs/bloom-176b-8x24gb.toml"),
                       ['server.kv_cache_dtype="int8"'])  # fmt: skip
-    assert plan_memory(shape_of("bloom-176b"), kv8, tp_size=8, budget=card).sequences(768) == 9
+    assert plan_memory(shape_of("bloom-176b"), kv8, tp_size=8, budget=card).sequences(768) == 10
     int4 = load_config(str(ROOT / "configs/bloom-176b-8x24gb-int4.toml"))
     plan4 = plan_memory(shape_of("bloom-176b"), int4, tp_size=8, budget=card)
     assert plan4.fixed + plan4.kv_blocks * 16 * plan4.kv_bytes_per_token <= card
-    assert plan4.sequences(768) == 28 >= 24
+    assert plan4.sequences(768) == 31 >= 24
     int4_kv8 = load_config(str(ROOT / "configs/bloom-176b-8x24gb-int4.toml"),
                            ['server.kv_cache_dtype="int8"'])  # fmt: skip
     assert plan_memory(shape_of("bloom-176b"), int4_kv8, tp_size=8,
-                       budget=card).sequences(768) == 55 >= 48  # fmt: skip
+                       budget=card).sequences(768) == 60 >= 48  # fmt: skip
     assert plan.sequences(770) == plan.kv_blocks // 49  # a started block is a whole block
     cfg = load_config(str(ROOT / "configs/bloom-7b1.toml"),
                       ['quant.method="int8"', "server.max_batch_slots=64"])  # fmt: skip
@@ -120,7 +137,7 @@ def test_plan_answers_for_every_shipped_config_without_a_gpu_size(config, capsys
     assert code == 0, out
     if config == "bloom-176b-8x24gb":
         assert "tp=8" in out and "sequences of max_seq_len=2048       1" in out
-        assert "sequences of 512+256               4" in out and "= 24,564 MiB" in out
+        assert "sequences of 512+256               5" in out and "= 24,564 MiB" in out
         code = mpinfer_main(["plan", "--config", str(ROOT / f"configs/{config}.toml"),
                              "--set", 'model.memory_budget=""'])  # fmt: skip
         out = capsys.readouterr().out

@@ -222,25 +222,30 @@ def test_rows_in_chunks_give_what_one_pass_gives(monkeypatch):
     params = [kinds[rng.randrange(len(kinds))]().check() for _ in range(n)]
     logits = torch.randn(n, V, generator=g) * 3
     outs = []
-    for chunk in (None, 4 * V):
+    # one pass; 4 rows a pass (the logits bound); 3 rows a pass (server.sampler_rows)
+    for chunk, cap, pass_rows in ((None, 0, memory.chunk_rows(V)), (4 * V, 0, 4), (None, 3, 3)):
         if chunk:
             monkeypatch.setattr(memory, "SAMPLER_CHUNK_LOGITS", chunk)
-        sampler = Sampler(slots=n, vocab_size=V, eos_token_id=2, device=torch.device("cpu"))
+        sampler = Sampler(slots=n, vocab_size=V, eos_token_id=2, device=torch.device("cpu"),
+                          rows_cap=cap)  # fmt: skip
+        assert sampler.pass_rows == pass_rows
         for i, p in enumerate(params):
             sampler.admit(i, torch.randint(4, V, (30,), generator=torch.Generator().manual_seed(i))
                           .tolist(), p, generated=[9, 9, 20])  # fmt: skip
         rows = [Row(i, p, 2) for i, p in enumerate(params)]
-        outs.append(sampler.sample(logits, rows))
-        outs.append(sampler.counts.clone())
-    assert memory.chunk_rows(V) == 4 and n > 3 * 4
-    (whole, counts_whole), (chunked, counts_chunked) = outs[:2], outs[2:]
-    for a, b in zip(whole[:2], chunked[:2]):  # slots, tokens
-        assert a.tolist() == b.tolist()
-    history = [i for i, p in enumerate(params) if p.uses_history]  # counts only these read
-    assert history and counts_whole[history].tolist() == counts_chunked[history].tolist()
-    for i, p in enumerate(params):  # token, log-probability, finite; the alternatives it asked
-        cols = [0, 1, 2, *range(3, 3 + p.top_n), *range(3 + MAX_TOP_N, 3 + MAX_TOP_N + p.top_n)]
-        assert whole[2][i, cols].tolist() == chunked[2][i, cols].tolist(), i
+        outs.append((sampler.sample(logits, rows), sampler.counts.clone()))
+        monkeypatch.undo()
+    assert memory.chunk_rows(V) > n > 3 * 4  # the first sampler took every row in one pass
+    (whole, counts_whole) = outs[0]
+    for chunked, counts_chunked in outs[1:]:
+        for a, b in zip(whole[:2], chunked[:2]):  # slots, tokens
+            assert a.tolist() == b.tolist()
+        history = [i for i, p in enumerate(params) if p.uses_history]  # counts only these read
+        assert history and counts_whole[history].tolist() == counts_chunked[history].tolist()
+        for i, p in enumerate(params):  # token, log-probability, finite; the alternatives asked
+            cols = [0, 1, 2, *range(3, 3 + p.top_n),
+                    *range(3 + MAX_TOP_N, 3 + MAX_TOP_N + p.top_n)]  # fmt: skip
+            assert whole[2][i, cols].tolist() == chunked[2][i, cols].tolist(), i
 
 
 def test_packed_outputs_hold_logprobs_of_the_raw_distribution_and_top_n():

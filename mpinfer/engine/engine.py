@@ -59,6 +59,7 @@ class Engine:
     def __init__(
         self, runner: ModelRunner, ctx: DistContext, tokenizer, *, max_queue: int = 128,
         max_prefill_tokens: int = 512, heartbeat_s: float = 1.0, prefill_hold_steps: int = 0,
+        sampler_rows: int = 0,
         prefix_caching: bool = True,
     ):  # fmt: skip
         assert ctx.is_rank0
@@ -73,7 +74,8 @@ class Engine:
         self.prefix_caching = prefix_caching
         self.sampler = Sampler(slots=runner.slots, vocab_size=self.vocab_size,
                                eos_token_id=self.eos, device=runner.device,
-                               offloaded=runner.model.offload is not None)  # fmt: skip
+                               offloaded=runner.model.offload is not None,
+                               rows_cap=sampler_rows)  # fmt: skip
         self.scheduler = Scheduler(self._block_manager(), rows=runner.slots,
                                    max_prefill_tokens=max_prefill_tokens,
                                    new_sequence=lambda req: Sequence(req, -1, self.tok),

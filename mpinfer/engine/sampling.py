@@ -327,9 +327,10 @@ class Sampler:
     """Rank 0's sampler: per-slot history for the penalties, and the batched pass."""
 
     def __init__(self, *, slots: int, vocab_size: int, eos_token_id: int, device,
-                 offloaded: bool = False):  # fmt: skip
+                 offloaded: bool = False, rows_cap: int = 0):  # fmt: skip
         self.vocab_size, self.eos, self.device = vocab_size, eos_token_id, device
-        self.offloaded = offloaded  # blocks in host memory: smaller passes (memory.chunk_rows)
+        # Rows a pass (memory.chunk_rows): fewer with blocks in host memory, at most rows_cap
+        self.pass_rows = chunk_rows(vocab_size, offloaded=offloaded, cap=rows_cap)
         self.seen = torch.zeros((slots, vocab_size), dtype=torch.bool, device=device)
         self.counts = torch.zeros((slots, vocab_size), dtype=torch.int32, device=device)
         self.width = 3 + 2 * MAX_TOP_N
@@ -355,7 +356,7 @@ class Sampler:
         Rows go through in chunks of `chunk_rows(V)`: the pass's float32 temporaries are a few
         dozen bytes per logit, so its memory stays bounded at any batch (rows are independent:
         a row's token does not depend on the chunk it is in)."""
-        step = chunk_rows(self.vocab_size, offloaded=self.offloaded)
+        step = self.pass_rows
         if len(rows) <= step:
             return self._sample(logits, rows)
         parts = [self._sample(logits[at : at + step], rows[at : at + step])

@@ -53,10 +53,12 @@ OFFLOADED_SAMPLER_CHUNK_LOGITS = 2**22
 SAMPLER_BYTES_PER_LOGIT = 64
 
 
-def chunk_rows(vocab_size: int, *, offloaded: bool = False) -> int:
-    """Rows per sampler pass: 66 for BLOOM's 250,880 tokens (16 with blocks in host memory)."""
+def chunk_rows(vocab_size: int, *, offloaded: bool = False, cap: int = 0) -> int:
+    """Rows per sampler pass: 66 for BLOOM's 250,880 tokens (16 with blocks in host memory), at
+    most `cap` (server.sampler_rows) when it is set."""
     most = OFFLOADED_SAMPLER_CHUNK_LOGITS if offloaded else SAMPLER_CHUNK_LOGITS
-    return max(1, most // vocab_size)
+    rows = max(1, most // vocab_size)
+    return min(rows, cap) if cap > 0 else rows
 
 
 # GPU sizes `mpinfer plan` answers for when not told one, as the driver reports them (a 24 GB
@@ -218,7 +220,7 @@ def plan_memory(shape: BloomShape, cfg: RunConfig, *, tp_size: int, budget: int)
     items["sampler state"] = slots * v * (1 + 4)
     # One sampler pass over a chunk of rows, or one run of a prompt's log-probabilities (its
     # logits, their float32 copy, two temporaries): the caching allocator keeps the larger.
-    rows = min(slots, chunk_rows(v, offloaded=cfg.model.offload_blocks > 0))
+    rows = min(slots, chunk_rows(v, offloaded=cfg.model.offload_blocks > 0, cap=s.sampler_rows))
     items["sampler temporaries"] = max(
         rows * v * SAMPLER_BYTES_PER_LOGIT,
         PROMPT_LOGPROB_ROWS * v * (dtype_bytes + 4 * 3),

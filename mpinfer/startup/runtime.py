@@ -203,7 +203,8 @@ def start(
         engine = Engine(runner, ctx, load_tokenizer(runner.loaded.model_dir),
                         max_queue=s.max_queue, max_prefill_tokens=s.max_prefill_tokens,
                         prefill_hold_steps=s.prefill_hold_steps,
-                        prefix_caching=s.prefix_caching)  # fmt: skip
+                        prefix_caching=s.prefix_caching,
+                        sampler_rows=s.sampler_rows)  # fmt: skip
         engine.warm_up()
         engine.fit_cache()
         return engine
