@@ -62,7 +62,8 @@ r5-kernels)  # round 5: the one-row int4 loop (magic4/5) and the tiled int8 loop
     # re-tuned in fp16 (the table keeps its other entries), then the matmul table; the table is
     # also left in /tmp for a later call on the same warm machine (r5-serve)
     TAIL=4 stage tune-int4-row1 "${TUNE4_TIME:-200}" bench kernels --tune "$table" --quant int4 \
-        --rows 1 --models bloom-7b1,bloom-176b:8,bloom-176b --out "$RES/tune-int4-row1.json"
+        --rows 1 --models "${MODELS4:-bloom-7b1,bloom-176b:8,bloom-176b}" \
+        --out "$RES/tune-int4-row1.json"
     TAIL=4 stage tune-int8-tiled "${TUNE8_TIME:-200}" bench kernels --tune "$table" --quant int8 \
         --rows 128,256,576 --out "$RES/tune-int8-tiled.json"
     cp "$table" "$RES/"; cp "$table" /tmp/r5-table.json
@@ -73,8 +74,8 @@ r5-serve)  # round 5: int4 decode (7b1, and BLOOM-176B whole on one GPU), then t
     [ -f /tmp/r5-table.json ] && cp /tmp/r5-table.json "$table" && echo "table from r5-kernels"
     TAIL=25 stage int4-7b1 "${INT4_TIME:-100}" bench gpu --shape bloom-7b1 --quant int4 \
         --out "$RES/int4-7b1.json"
-    TAIL=25 stage int4-176b "${INT4_176B_TIME:-150}" bench gpu --shape bloom-176b \
-        --rows mpinfer-int4 --batches 1,8 --out "$RES/int4-176b.json"
+    [ "${INT4_176B_TIME:-150}" -gt 0 ] && TAIL=25 stage int4-176b "${INT4_176B_TIME:-150}" \
+        bench gpu --shape bloom-176b --rows mpinfer-int4 --batches 1,8 --out "$RES/int4-176b.json"
     TAIL=30 stage budget "$(left)" bench budget --workdir /tmp/mb --seconds "${SUSTAIN:-20}" \
         --budgets "${BUDGETS:-6GiB,6GiB-twin,24GiB}" --out "$RES/budget.json" ;;
 int4-row1)  # the one-row int4 loop: re-tune it, the one- and 16-row table, every family's test
