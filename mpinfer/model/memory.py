@@ -155,8 +155,9 @@ class MemoryPlan:
 HOW = {
     "weights": "counted: the sharding specs", "scales": "counted", "embeddings": "counted",
     "biases": "counted", "sampler state": "counted: a bool and an int32 per slot and token",
-    "sampler temporaries": "estimated: one pass over the slots (at most 66 rows of BLOOM's "
-                           "vocabulary, 16 offloaded), 64 bytes a logit; measured at start-up",
+    "sampler temporaries": "estimated: one pass over the slots (server.sampler_rows, else at most "
+                           "66 rows of BLOOM's vocabulary, 16 offloaded), 64 bytes a logit; "
+                           "measured at start-up",
     "CUDA context": "estimated; at start-up the KV pool is sized from what the process holds",
     "NCCL": "estimated (tp > 1); measured at start-up likewise",
     "activation workspace": "estimated: split-K partials, a dequantized weight, activations, "
