@@ -239,7 +239,7 @@ def default_config(rows: int, N: int, K: int, dtype: str, sms: int, *, bits: int
     else:
         magic, bk = 2 if fp16 or rows == 1 else 0, 128
     if rows == 1 and bits == 4:
-        # magic5's one-row loop won every one-row int4 launch of the H100's sweep (round 5: 8-15 %
+        # magic5's one-row loop won every one-row int4 launch of the H100's sweep (round 5: 3-16 %
         # over the best magic2 config, 1.1-3.9x over the earlier rule), with 64 rows a program
         # and about four programs per SM
         base = f"fma n64 k{bk} split{{}} pf0 magic5 w4 s3"
