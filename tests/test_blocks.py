@@ -255,7 +255,11 @@ def test_int8_kv_rounds_each_row_within_half_a_step():
     assert q.dtype == torch.int8 and scale.shape == (50, 4)
     assert q.abs().amax(-1).eq(127).all()  # each row's largest magnitude is exactly +-127
     err = (q.double() * scale[..., None].double() - x).abs()
-    assert (err <= scale[..., None] / 2 + 1e-9).all()
+    # Half a step, plus fp32's rounding of x and of the scale: a few 2^-24 of the row's largest
+    # magnitude (2^-20 of it here; half a step is 2^-8 of it). A 1e-9 slack failed now and
+    # then on these unseeded draws.
+    slack = x.abs().amax(-1, keepdim=True) * 2**-20
+    assert (err <= scale[..., None].double() / 2 + slack).all()
     assert torch.equal(quantize_kv(torch.zeros(2, 3))[0], torch.zeros(2, 3, dtype=torch.int8))
 
 

@@ -67,8 +67,9 @@ def main() -> None:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # the burst below queues twice the slots at once
     cfg = load_config(None, [f'model.path="{args.model}"', f'model.memory_budget="{args.budget}"',
-                             *args.set])  # fmt: skip
+                             "server.max_queue=4096", *args.set])  # fmt: skip
     dev = torch.device("cuda")
     print(f"{'stage':<34}{'alloc':>10}{'reserved':>10}{'outside':>10}{'process':>10}  (MiB)")
     record("start")
