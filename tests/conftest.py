@@ -71,7 +71,7 @@ class Server:
 
     def __init__(self, model, *settings: str, nproc: int = 2, launcher: str = "mpinfer",
                  quant: str = "none", timeout: float = 120):  # fmt: skip
-        self.port = free_port()
+        self.port = free_port(below_ephemeral=True)
         self.headers: dict = {}
         self.url = f"http://127.0.0.1:{self.port}"
         args = ["--model", str(model), "--port", str(self.port), "--quant", quant, "--dtype",

@@ -44,7 +44,7 @@ def test_int8_generation_and_the_server_run_without_transformers_or_bitsandbytes
                                   "--json", "--max-new-tokens", "4", timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert '"finish_reason"' in proc.stdout
-    port = free_port()
+    port = free_port(below_ephemeral=True)
     cmd = [sys.executable, "-c", WITHOUT, "serve", "--model", str(ckpts["st_sharded"]), "--port",
            str(port)]  # fmt: skip
     log = tmp_path / "serve.log"

@@ -283,3 +283,19 @@ def test_a_port_in_use_under_torchrun_stops_every_rank_with_one_line(ckpts):
     assert proc.stderr.count(said) == 1, proc.stderr[-3000:]
     ranks = [line for line in proc.stderr.splitlines() if line.startswith(("[rank", "ERROR:"))]
     assert ranks == [f"[rank 0] ERROR {said}"], proc.stderr[-3000:]
+
+
+def test_a_server_port_is_drawn_below_the_ephemeral_range():
+    """The test servers' and benchmarks' HTTP ports come from under the OS's ephemeral range, so
+    the rendezvous store and gloo's connections (ports the OS hands out) cannot take one between
+    its choice and the server's bind; it is free when returned."""
+    from pathlib import Path
+
+    from mpinfer.startup.launcher import free_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(20):
+        port = free_port(below_ephemeral=True)
+        assert 20000 <= port < min(low, 32768)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

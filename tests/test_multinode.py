@@ -141,7 +141,7 @@ def test_a_host_without_its_rank_file_is_refused_on_every_rank(per_host, tmp_pat
 
 
 def test_killing_one_hosts_launcher_ends_every_rank_on_both_hosts(ckpts):
-    port, http = free_port(), free_port()
+    port, http = free_port(), free_port(below_ephemeral=True)
     serve = ["--model", str(ckpts["st_sharded"]), "--quant", "none", "--dtype", "float32",
              "--port", str(http), "--set", f"parallel.timeout_s={TIMEOUT_S}"]  # fmt: skip
     cmd = [sys.executable, "-m", "mpinfer.cli", "serve", "--nproc", "2", "--nnodes", "2",

@@ -126,7 +126,7 @@ def test_quick_start_runs_in_a_fresh_shell():
     assert proc.returncode == 0, (script, proc.stdout[-2000:], proc.stderr[-3000:])
     assert "Traceback" not in proc.stderr and "command not found" not in proc.stderr
 
-    port = 8080 if port_is_free(8080) else free_port()
+    port = 8080 if port_is_free(8080) else free_port(below_ephemeral=True)
     cmd = "make serve" if port == 8080 else f"make serve ARGS='--port {port}'"
     serve = subprocess.Popen(["bash", "-c", cmd], cwd=ROOT, env=env, text=True,
                              start_new_session=True, stdout=subprocess.PIPE,

@@ -26,12 +26,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,24 @@ class Topology:
         return self
 
 
-def free_port() -> int:
+def free_port(*, below_ephemeral: bool = False) -> int:
+    """A port nothing listens on now. `below_ephemeral`: one under the OS's ephemeral range, for
+    a server's listening port that is chosen before the ranks start: a port the OS handed out
+    and took back can be handed out again to the rendezvous store or a gloo connection before
+    the server binds it (a test server once failed with "port in use" that way)."""
+    if below_ephemeral:
+        try:
+            low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            low = 32768  # Linux's default; macOS's range starts at 49152
+        hi = min(low, 32768)
+        for port in random.sample(range(20000, hi), 200) if hi > 20200 else ():
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -44,7 +44,7 @@ class ServerProcess:
 
     def __init__(self, nproc: int, model: str, *settings: str, timeout: float = 900,
                  env: dict | None = None):  # fmt: skip
-        self.port = free_port()
+        self.port = free_port(below_ephemeral=True)
         self.url = f"http://127.0.0.1:{self.port}"
         args = [
             sys.executable,
