@@ -162,3 +162,25 @@ print(json.dumps({{"chat": chat.choices[0].message.content, "streamed": streamed
                        "max_tokens": 5, "temperature": 0}).json()  # fmt: skip
     assert out["text"] == plain["choices"][0]["text"]
     assert os.environ.get("LITELLM_LOCAL_MODEL_COST_MAP") is None  # set for the child only
+
+
+def test_the_tune_checks_leaders_against_the_models_reference_paths():
+    """`bench kernels --tune` drops a leader whose output is off the reference by MAX_ERROR or
+    more: the reference is the model's own CPU path (int8 and int4 layers with the fused GeLU
+    and residual), and one flipped nibble of an int4 weight is far past that threshold."""
+    import torch
+
+    from mpinfer.model.kernels import epilogue
+    from mpinfer.model.quant import quantize_int4, quantize_rows
+    from mpinfer.tools.tunebench import MAX_ERROR, reference
+
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(3, 256, generator=g), torch.randn(32, 256, generator=g)
+    bias, res = torch.randn(32, generator=g), torch.randn(3, 32, generator=g)
+    q, s = quantize_rows(w)
+    want = epilogue(x @ (q.float() * s[:, None]).T + bias, gelu=True, residual=res)
+    torch.testing.assert_close(reference(8, x, (q, s), bias, gelu=True, residual=res), want)
+    packed, s4, o4 = quantize_int4(w, 128)
+    ref4 = reference(4, x, (packed, s4, o4), bias, gelu=True, residual=res)
+    off = reference(4, x, (packed ^ 0x10, s4, o4), bias, gelu=True, residual=res)
+    assert (off - ref4).abs().max() / ref4.abs().max() > MAX_ERROR

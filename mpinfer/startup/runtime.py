@@ -31,13 +31,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-# The caching allocator in expandable segments, unless the user configured it: a fixed segment
-# that still holds one live tensor stays reserved whole, which the KV pool's fit counts as held
-# (H100, bloom-7b1 with every block in host memory and int8 embeddings: 5,944 MiB reserved for
-# 2,355 allocated after loading, so a 6 GiB budget had no room for a cache; with expandable
-# segments 2,390, and the server was ready at 5,578 MiB). Read at the first CUDA allocation.
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 from tokenizers import Tokenizer
 
 from ..checkpoint.hf import read_config
@@ -49,6 +42,13 @@ from ..engine.runner import ModelRunner, run_worker
 from ..engine.sampling import SamplingParams
 from ..engine.step import CacheFit
 from ..model.memory import budget_bytes, cpu_blocks, memory_margin, provisional_blocks
+
+# The caching allocator in expandable segments, unless the user configured it: a fixed segment
+# that still holds one live tensor stays reserved whole, which the KV pool's fit counts as held
+# (H100, bloom-7b1 with every block in host memory and int8 embeddings: 5,944 MiB reserved for
+# 2,355 allocated after loading, so a 6 GiB budget had no room for a cache; with expandable
+# segments 2,390, and the server was ready at 5,578 MiB). Read at the first CUDA allocation.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 log = logging.getLogger("mpinfer")
 

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..model.kernels import tuning
+from ..model.kernels import epilogue, tuning
 from ..model.kernels.tuning import sm_count
-from ..model.quant import dequantize_int4
+from ..model.quant import dequantize_int4, int8_linear_reference
 from .report import graph_time_us, l2_copies, md_table
 
 
@@ -69,18 +69,14 @@ MAX_ERROR = 1e-2
 
 
 def reference(bits, x, w, bias, *, gelu=False, residual=None) -> torch.Tensor:
-    """The launch in fp32 through torch: the weight dequantized (int8 rows and scales, or int4
-    packed with group scales and offsets, as `_operands` makes them), then the epilogue."""
+    """The launch in fp32 through the model's pure-torch paths (quant.py: the int8 reference
+    matmul, or the int4 weight dequantized), then the kernels' epilogue."""
+    xf, bf = x.float(), bias.float() if bias is not None else None
     if bits == 8:
-        q, scale = w
-        y = (x.float() @ q.float().T) * scale
+        y = int8_linear_reference(xf, *w, bf)
     else:
-        y = x.float() @ dequantize_int4(*w).T
-    if bias is not None:
-        y = y + bias.float()
-    if gelu:
-        y = F.gelu(y, approximate="tanh")
-    return y + residual.float() if residual is not None else y
+        y = F.linear(xf, dequantize_int4(*w), bf)
+    return epilogue(y, gelu=gelu, residual=residual.float() if residual is not None else None)
 
 
 def _compile(task) -> str | None:
