@@ -184,3 +184,22 @@ def test_the_tune_checks_leaders_against_the_models_reference_paths():
     ref4 = reference(4, x, (packed, s4, o4), bias, gelu=True, residual=res)
     off = reference(4, x, (packed ^ 0x10, s4, o4), bias, gelu=True, residual=res)
     assert (off - ref4).abs().max() / ref4.abs().max() > MAX_ERROR
+
+
+def test_the_steady_rate_counts_only_the_tokens_inside_its_window():
+    """A closed loop's steady figure leaves out the ramp and the drain: tokens streamed before
+    or after the window do not count, and a chunk that carried two tokens counts two."""
+    import random
+
+    from mpinfer.tools.loadgen import steady_rate
+
+    rng = random.Random()
+    lo, hi = 10.0, 10.0 + rng.uniform(5, 20)
+    results, inside = [{"error": "HTTP 503"}], 0.0
+    for _ in range(rng.randint(5, 30)):
+        times = sorted(rng.uniform(0, hi + 10) for _ in range(rng.randint(1, 40)))
+        per_chunk = rng.choice([1, 2])
+        results.append({"times": times, "output_tokens": per_chunk * len(times)})
+        inside += per_chunk * sum(lo <= t < hi for t in times)
+    assert steady_rate(results, lo, hi) == pytest.approx(inside / (hi - lo))
+    assert steady_rate(results, hi, lo) is None

@@ -116,9 +116,18 @@ def serve(ckpt: Path, budget: str, phases, *settings: str) -> dict:
         row["memory"] = mem.close()
         row["exit_code"] = server.stop()
         log = server.output()
-        row["log"] = [ln for ln in log.splitlines()
-                      if re.search(r"KV cache|warm-up|captured|throughput|host memory|copies at",
-                                   ln)][-12:]  # fmt: skip
+        row["preemptions"] = log.count("preempted (KV cache full)")
+        row["log"] = [
+            ln
+            for ln in log.splitlines()
+            if "preempted" not in ln
+            and re.search(r"KV cache|warm-up|captured|throughput|host memory|copies at", ln)
+        ][-12:]
+        if plan := re.search(r"a step of (\d+) rows ([\d.]+) ms, (\d+) tok/s", log):
+            row["plan"] = {"rows": int(plan[1]), "step_ms": float(plan[2]),
+                           "tok_s": float(plan[3])}  # fmt: skip
+        if floor := re.search(r"copies at ([\d.]+) GB/s: .* takes at least (\d+) ms", log):
+            row["copy_GBps"], row["floor_ms"] = float(floor[1]), float(floor[2])
     limit = parse_mib(budget)
     row["peak_over_budget_MiB"] = (row["memory"]["peak_MiB"] or 0) - limit
     short = {k: v for k, v in row.items() if k not in ("phases", "greedy")}
@@ -157,8 +166,8 @@ def run_budget(a) -> dict:
         ph = {"unique-64": asyncio.run(loadgen.closed_loop(url, 64, a.seconds / 2))}
         return {"phases": ph, "greedy": greedy(url)}
 
-    def offload(url):
-        ph = {"short-128": asyncio.run(loadgen.closed_loop(url, 128, a.seconds,
+    def offload(url):  # a request lasts 128 steps of 100 ms or more: a longer phase
+        ph = {"short-128": asyncio.run(loadgen.closed_loop(url, 128, a.offload_seconds,
                                                            work=short_work()))}  # fmt: skip
         return {"phases": ph, "greedy": greedy(url)}
 
@@ -207,12 +216,15 @@ def budget_table(r: dict) -> str:
         m = s["memory"]
         rows.append([name, f"{parse_mib(s['budget']):,.0f}", f"{s['at_ready_MiB']:,.0f}",
                      f"{m['peak_MiB']:,.0f}", f"{s['peak_over_budget_MiB']:+,.0f}",
-                     f"{s['kv_blocks']} blocks, {s['rows']} rows"])  # fmt: skip
+                     f"{s['kv_blocks']} blocks, {s['rows']} rows"
+                     + (f", {s['preemptions']} preemptions" if s.get("preemptions") else "")
+                     + (f"; copy floor {s['floor_ms']:.0f} ms a step at {s['copy_GBps']:.0f} GB/s"
+                        if "floor_ms" in s else "")])  # fmt: skip
         for ph, p in s["phases"].items():
             if "mode" in p:
                 phase_rows.append(loadgen.phase_row(f"{name} {ph}", p, None))
             else:
-                phase_rows.append([f"{name} {ph}", f"{p['tok_per_s']:.0f}", "-", "-",
+                phase_rows.append([f"{name} {ph}", f"{p['tok_per_s']:.0f}", "-", "-", "-",
                                    f"{p['ttft_ms_median']:.0f}", "-",
                                    f"{p['itl_ms_median']:.1f}", "-", "-", "-", "-",
                                    p["errors"]])  # fmt: skip
@@ -235,6 +247,12 @@ def main(argv: list[str]) -> int:
                    help="servers, in order (24GiB, 12GiB, 6GiB, 6GiB-twin, int4)")  # fmt: skip
     p.add_argument("--offload-mem", default="6GiB", help="the over-budget server's budget")
     p.add_argument("--seconds", type=float, default=30)
+    p.add_argument(
+        "--offload-seconds",
+        type=float,
+        default=60,
+        help="the over-budget server's phase (its requests take 15 s or more each)",
+    )
     p.add_argument("--workdir", default="/tmp/mpinfer-bench")
     p.add_argument("--out", default="bench/results/budget.json")
     a = p.parse_args(argv)

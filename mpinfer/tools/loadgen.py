@@ -141,6 +141,22 @@ async def one_request(session, url: str, prompt: str, max_new: int) -> dict:
             "output_tokens": usage["completion_tokens"]}  # fmt: skip
 
 
+def steady_rate(results: list[dict], lo: float, hi: float) -> float | None:
+    """Output tokens a second that arrived between the clock times `lo` and `hi`: the rate
+    while every client is busy, without the ramp (every client's first prompt at once) or the
+    drain (the last requests finishing with fewer beside them) that a phase's whole wall time
+    holds. A chunk counts its request's tokens per chunk (one, unless a token's text was
+    incomplete and rode in the next chunk)."""
+    if hi <= lo:
+        return None
+    tokens = 0.0
+    for r in results:
+        if r.get("times"):
+            per_chunk = r["output_tokens"] / len(r["times"])
+            tokens += per_chunk * sum(lo <= t < hi for t in r["times"])
+    return tokens / (hi - lo)
+
+
 def summarize(results: list[dict], wall: float) -> dict:
     """A phase's figures; inter-token gaps are between streamed chunks (a token whose text is
     still incomplete rides in the next chunk)."""
@@ -168,7 +184,8 @@ async def closed_loop(url: str, clients: int, seconds: float, seed: int = 0, *,
                       work: list[tuple[str, int]] | None = None) -> dict:  # fmt: skip
     """`clients` clients each sending the mix's next request (or `work`'s) as soon as its last
     one ended; requests still running at the end are waited for, and counted (the wall time
-    covers them)."""
+    covers them). `steady_tok_per_s`: the rate over the last three quarters of the `seconds`,
+    when every client has a request in flight (steady_rate)."""
     import aiohttp
 
     work = work or mixed_requests(100_000, seed)
@@ -195,6 +212,7 @@ async def closed_loop(url: str, clients: int, seconds: float, seed: int = 0, *,
         "mode": "closed",
         "clients": clients,
         **summarize(results, wall),
+        "steady_tok_per_s": steady_rate(results, t0 + seconds / 4, stop_at),
         "prefix_hit_rate": hit_rate(counters, prefix_counters(url)),
         **gpu.summary(),
     }
@@ -237,13 +255,14 @@ def phase_row(name: str, p: dict, ideal: float | None) -> list:
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
 
-    return [name, f"{p['tok_per_s']:.0f}", f(ideal and p["tok_per_s"] / ideal, ".2f"),
+    return [name, f"{p['tok_per_s']:.0f}", f(p.get("steady_tok_per_s"), ".0f"),
+            f(ideal and p["tok_per_s"] / ideal, ".2f"),
             f(p.get("prefix_hit_rate"), ".2f"),
             f(p["ttft_ms_p50"], ".0f"), f(p["ttft_ms_p99"], ".0f"), f(p["itl_ms_p50"], ".1f"),
             f(p["itl_ms_p99"], ".1f"), f"{p['prompt_per_output']:.2f}",
             f(p["gpu_util_pct"], ".0f"), f(p["gpu_mem_gib"], ".1f"), p["errors"]]  # fmt: skip
 
 
-PHASE_HEADER = ["load", "output tok/s", "/ ideal", "prefix hit rate", "TTFT p50 ms",
+PHASE_HEADER = ["load", "output tok/s", "steady tok/s", "/ ideal", "prefix hit rate", "TTFT p50 ms",
                 "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "prompt/output", "GPU util %",
                 "GPU GiB", "errors"]  # fmt: skip
