@@ -20,7 +20,8 @@
 #             then the budget servers (BUDGETS, default 6GiB,6GiB-twin,24GiB)
 #   r6-h200   round 6, on an H200: re-tune the one-row int4 launches (magic5), int4 decode steps
 #             (7b1), BLOOM-176B int4 whole on the GPU; r6-offload: the 6 GiB offloaded server
-#             (OFFLOAD_SECONDS of 128 clients) and its resident twin
+#             (OFFLOAD_SECONDS of 128 clients) and its resident twin, then the unique mix with
+#             the step graphs at powers of two and at the default buckets
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
 #   final     budget, int4, int4-176b, kernels, then the GPU tests
@@ -91,7 +92,8 @@ r6-h200)
     TAIL=25 stage int4-176b "${INT4_176B_TIME:-170}" bench gpu --shape bloom-176b \
         --rows mpinfer-int4 --batches 1,8 --out "$RES/int4-176b.json" ;;
 r6-offload)
-    TAIL=30 stage budget "$(left)" bench budget --workdir /tmp/mb --budgets 6GiB,6GiB-twin \
+    TAIL=30 stage budget "$(left)" bench budget --workdir /tmp/mb --seconds "${SUSTAIN:-20}" \
+        --budgets "${BUDGETS:-6GiB,6GiB-twin,buckets-pow2,buckets-auto}" \
         --offload-seconds "${OFFLOAD_SECONDS:-60}" --out "$RES/budget-offload.json" ;;
 int4-row1)  # the one-row int4 loop: re-tune it, the one- and 16-row table, every family's test
     TAIL=4 stage tune-int4-row1 "${TUNE_TIME:-200}" bench kernels --tune "$table" --quant int4 \

@@ -13,13 +13,14 @@ so the collectives inside the forward pair up.
             `PROMPT_LOGPROB_ROWS` positions at a time, from the step's final hidden states
 
 On a GPU every step runs a token-count bucket (`step_buckets`: 1, 2, 4, ... up to the slots,
-then powers of two up to the slots plus the prompt budget) captured as a CUDA graph at start-up;
-a step of n tokens replays the smallest bucket >= n, its other tokens marked row -1, which the
-kernels skip (they write no cache and read none). Warm-up runs every bucket once before the
-capture, so every kernel is compiled before the server says ready. All graphs share one memory
-pool: they never run at the same time. With a method that cannot be captured (bitsandbytes) or
-`server.cuda_graphs = false` the same bucketed step runs eagerly; on a CPU the step runs eagerly
-over exactly its tokens, with the reference attention.
+then powers of two and, from 192, their halfway points, up to the slots plus the prompt budget)
+captured as a CUDA graph at start-up; a step of n tokens replays the smallest bucket >= n, its
+other tokens marked row -1, which the kernels skip (they write no cache and read none; a
+padded row still costs the matmuls a row). Warm-up runs every bucket once before the capture,
+so every kernel is compiled before the server says ready. All graphs share one memory pool:
+they never run at the same time. With a method that cannot be captured (bitsandbytes) or
+`server.cuda_graphs = false` the same bucketed step runs eagerly; on a CPU the step runs
+eagerly over exactly its tokens, with the reference attention.
 
 Steps travel from rank 0 as one fixed-size int64 tensor over the gloo group (step.py). What is
 not here: what to run next (scheduler.py, engine.py), sampling (sampling.py).
@@ -46,16 +47,28 @@ from .step import FIT, STEP, STOP, CacheFit, Prefill, Step, StepChannel
 log = logging.getLogger("mpinfer")
 
 
-def step_buckets(slots: int, max_prefill_tokens: int) -> list[int]:
-    """Token counts with a captured step graph: the decode buckets (powers of two up to the
-    slots, and the slots), then powers of two up to one step's most tokens (every slot decoding
-    beside a full prompt budget), and that most."""
+def step_buckets(slots: int, max_prefill_tokens: int, rule: str = "auto") -> list[int]:
+    """Token counts with a captured step graph (server.step_buckets), every one up to one
+    step's most tokens (every slot decoding beside a full prompt budget), and that most:
+
+        auto   the decode buckets (powers of two up to the slots, and the slots), then powers
+               of two, and from 192 on also their halfway points (192, 384, 768, ...): a mixed
+               step of n tokens pays for at most 1.5 n rows of matmul from 128 tokens on,
+               instead of 2 n (a padded row costs a matmul row like any other)
+        pow2   the decode buckets, then powers of two only (fewer graphs)
+        N,N,.. these token counts (a step past the largest runs eagerly at its own size)"""
     most = slots + max_prefill_tokens
+    if rule not in ("auto", "pow2"):
+        return sorted({b for b in map(int, rule.split(",")) if b < most} | {most})
     out = decode_buckets(slots)
     b = 1 << out[-1].bit_length()
     while b < most:
+        if rule == "auto" and b >= 256 and b * 3 // 4 > out[-1]:
+            out.append(b * 3 // 4)
         out.append(b)
         b *= 2
+    if rule == "auto" and b >= 256 and b * 3 // 4 > out[-1] and b * 3 // 4 < most:
+        out.append(b * 3 // 4)
     return out + ([most] if out[-1] < most else [])
 
 
@@ -148,11 +161,12 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, ctx: DistContext, *, slots: int, max_seq: int,
                  max_prefill_tokens: int = 512, cuda_graphs: bool = True, block_size: int = 16,
                  num_blocks: int | None = None, kv_int8: bool = False,
-                 fit: CacheFit | None = None):  # fmt: skip
+                 fit: CacheFit | None = None, buckets: str = "auto"):  # fmt: skip
         """`slots` cache rows (sequences at once) over `num_blocks` blocks of `block_size`
         tokens (default: every row can reach max_seq at once, the static layout's memory);
         `kv_int8`: keys and values in int8 with a scale per token and head; `fit`: how
-        `fit_cache` sizes the pool after warm-up (None: keep num_blocks)."""
+        `fit_cache` sizes the pool after warm-up (None: keep num_blocks); `buckets`: the step
+        graphs' token counts (step_buckets' rule)."""
         self.fit, self.kv_int8 = fit, kv_int8
         self.loaded, self.ctx = loaded, ctx
         self.model, self.device = loaded.model, loaded.device
@@ -177,7 +191,7 @@ class ModelRunner:
         # On a GPU a step always runs a bucket's token count, captured or not, so both ways
         # launch the same kernels with the same shapes (CPU: exactly the step's tokens).
         is_gpu = self.device.type == "cuda"
-        self.buckets = step_buckets(slots, max_prefill_tokens) if is_gpu else []
+        self.buckets = step_buckets(slots, max_prefill_tokens, buckets) if is_gpu else []
         self.inputs = {b: StepInputs.allocate(b, slots, self.device) for b in self.buckets}
         h, v = loaded.shape.hidden_size, loaded.shape.vocab_size
         most = self.buckets[-1] if is_gpu else 0

@@ -193,7 +193,8 @@ def prepare(cfg: RunConfig, ctx: DistContext, *, slots: int | None = None,
     return ModelRunner(loaded, ctx, slots=min(slots, blocks), max_seq=s.max_seq_len,
                        max_prefill_tokens=s.max_prefill_tokens, cuda_graphs=s.cuda_graphs,
                        block_size=s.kv_block_size, num_blocks=blocks,
-                       kv_int8=s.kv_cache_dtype == "int8", fit=fit)  # fmt: skip
+                       kv_int8=s.kv_cache_dtype == "int8", fit=fit,
+                       buckets=s.step_buckets)  # fmt: skip
 
 
 def start(
