@@ -157,9 +157,9 @@ class ServerConfig:
     sampler_rows: int = 0
     # Capture the decode step in CUDA graphs (one per batch-size bucket) on GPUs.
     cuda_graphs: bool = True
-    # The step's token-count buckets (a step runs the smallest bucket that holds its tokens,
-    # padded): "auto" (powers of two, and from 192 their halfway points too), "pow2" (powers
-    # of two only: fewer graphs), or a comma-separated list of token counts.
+    # The step graphs' token counts (a step runs the smallest that holds its tokens, padded):
+    # "auto" (the decode batches, then powers of two up to a full step) or a comma-separated
+    # list of token counts (fewer graphs: less memory and start-up; a full step is always one).
     step_buckets: str = "auto"
     # A Jinja chat template file for /v1/chat/completions; "" = the tokenizer's, else BLOOM's
     # default (chat.py).
@@ -237,11 +237,11 @@ class RunConfig:
                              "'model' or 'int8'")  # fmt: skip
         if s.prefill_hold_steps < 0:
             raise ValueError(f"server.prefill_hold_steps={s.prefill_hold_steps} must be >= 0")
-        if s.step_buckets not in ("auto", "pow2") and not re.fullmatch(
+        if s.step_buckets != "auto" and not re.fullmatch(
             r"\s*[1-9][0-9]*\s*(,\s*[1-9][0-9]*\s*)*", s.step_buckets
         ):
-            raise ValueError(f"server.step_buckets={s.step_buckets!r}: expected 'auto', 'pow2' "
-                             "or token counts such as '1,2,4,8,16,32,64,128,256'")  # fmt: skip
+            raise ValueError(f"server.step_buckets={s.step_buckets!r}: expected 'auto' or token "
+                             "counts such as '1,2,4,8,16,32,64,128,256'")  # fmt: skip
         if s.sampler_rows < 0:
             raise ValueError(f"server.sampler_rows={s.sampler_rows} must be >= 0 (0: automatic)")
         return self

@@ -20,8 +20,7 @@
 #             then the budget servers (BUDGETS, default 6GiB,6GiB-twin,24GiB)
 #   r6-h200   round 6, on an H200: re-tune the one-row int4 launches (magic5), int4 decode steps
 #             (7b1), BLOOM-176B int4 whole on the GPU; r6-offload: the 6 GiB offloaded server
-#             (OFFLOAD_SECONDS of 128 clients) and its resident twin, then the unique mix with
-#             the step graphs at powers of two and at the default buckets
+#             (OFFLOAD_SECONDS of 128 clients) and its resident twin
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
 #   final     budget, int4, int4-176b, kernels, then the GPU tests
@@ -93,7 +92,7 @@ r6-h200)
         --rows mpinfer-int4 --batches 1,8 --out "$RES/int4-176b.json" ;;
 r6-offload)
     TAIL=30 stage budget "$(left)" bench budget --workdir /tmp/mb --seconds "${SUSTAIN:-20}" \
-        --budgets "${BUDGETS:-6GiB,6GiB-twin,buckets-pow2,buckets-auto}" \
+        --budgets "${BUDGETS:-6GiB,6GiB-twin}" \
         --offload-seconds "${OFFLOAD_SECONDS:-60}" --out "$RES/budget-offload.json" ;;
 int4-row1)  # the one-row int4 loop: re-tune it, the one- and 16-row table, every family's test
     TAIL=4 stage tune-int4-row1 "${TUNE_TIME:-200}" bench kernels --tune "$table" --quant int4 \

@@ -170,30 +170,24 @@ def test_step_messages_survive_the_channel_encoding():
 def test_step_buckets_cover_every_token_count_up_to_a_full_step():
     """A step of n tokens replays the smallest captured bucket >= n, so the buckets must reach
     every n up to every slot decoding beside a full prompt budget, and never waste more than
-    half a bucket (the decode buckets first: the batch-1 step stays a 1-token graph); the
-    default also puts halfway points from 192 on, so a mixed step past 128 tokens pads to at
-    most 1.5 times its rows; a list names the buckets and the full step is always one."""
+    half a bucket (the decode buckets first: the batch-1 step stays a 1-token graph); a list
+    names the buckets, and the full step is always one."""
     from mpinfer.engine.runner import step_buckets
     from mpinfer.model.memory import decode_buckets
 
     assert step_buckets(1, 0) == [1]
     assert step_buckets(8, 0) == [1, 2, 4, 8]
-    assert step_buckets(32, 512) == [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 544]
-    assert step_buckets(32, 512, "pow2") == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 544]
-    assert step_buckets(16, 240) == [1, 2, 4, 8, 16, 32, 64, 128, 192, 256]
+    assert step_buckets(32, 512) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 544]
     assert step_buckets(48, 16) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert step_buckets(32, 512, "64, 8,1000") == [8, 64, 544]
-    for rule in ("auto", "pow2"):
-        for slots in range(1, 70):
-            for budget in (1, 7, 64, 100, 512, 1500):
-                buckets = step_buckets(slots, budget, rule)
-                assert buckets[: len(decode_buckets(slots))] == decode_buckets(slots)
-                assert buckets[-1] == slots + budget and buckets == sorted(set(buckets))
-                for n in range(1, slots + budget + 1):
-                    bucket = next(b for b in buckets if b >= n)
-                    assert bucket < 2 * n or bucket == 1
-                    if rule == "auto" and n > 128 and n > slots:
-                        assert bucket <= 1.5 * n, (slots, budget, n, bucket)
+    for slots in range(1, 70):
+        for budget in (1, 7, 64, 100, 512, 1500):
+            buckets = step_buckets(slots, budget)
+            assert buckets[: len(decode_buckets(slots))] == decode_buckets(slots)
+            assert buckets[-1] == slots + budget and buckets == sorted(set(buckets))
+            for n in range(1, slots + budget + 1):
+                bucket = next(b for b in buckets if b >= n)
+                assert bucket < 2 * n or bucket == 1
 
 
 def test_step_layout_puts_decode_rows_first_and_cuts_chunks_into_tiles():

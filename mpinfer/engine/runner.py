@@ -13,7 +13,7 @@ so the collectives inside the forward pair up.
             `PROMPT_LOGPROB_ROWS` positions at a time, from the step's final hidden states
 
 On a GPU every step runs a token-count bucket (`step_buckets`: 1, 2, 4, ... up to the slots,
-then powers of two and, from 192, their halfway points, up to the slots plus the prompt budget)
+then powers of two up to the slots plus the prompt budget; or server.step_buckets' list)
 captured as a CUDA graph at start-up; a step of n tokens replays the smallest bucket >= n, its
 other tokens marked row -1, which the kernels skip (they write no cache and read none; a
 padded row still costs the matmuls a row). Warm-up runs every bucket once before the capture,
@@ -50,25 +50,18 @@ log = logging.getLogger("mpinfer")
 def step_buckets(slots: int, max_prefill_tokens: int, rule: str = "auto") -> list[int]:
     """Token counts with a captured step graph (server.step_buckets), every one up to one
     step's most tokens (every slot decoding beside a full prompt budget), and that most:
-
-        auto   the decode buckets (powers of two up to the slots, and the slots), then powers
-               of two, and from 192 on also their halfway points (192, 384, 768, ...): a mixed
-               step of n tokens pays for at most 1.5 n rows of matmul from 128 tokens on,
-               instead of 2 n (a padded row costs a matmul row like any other)
-        pow2   the decode buckets, then powers of two only (fewer graphs)
-        N,N,.. these token counts (a step past the largest runs eagerly at its own size)"""
+    "auto", the decode buckets (powers of two up to the slots, and the slots), then powers of
+    two; or a list "N,N,..." of token counts (a step past the largest runs eagerly at its own
+    size). Halfway buckets from 192 on (a mixed step padded to 1.5 times its rows at most,
+    instead of 2) gave the same served throughput on an H100 (docs/performance.md)."""
     most = slots + max_prefill_tokens
-    if rule not in ("auto", "pow2"):
+    if rule != "auto":
         return sorted({b for b in map(int, rule.split(",")) if b < most} | {most})
     out = decode_buckets(slots)
     b = 1 << out[-1].bit_length()
     while b < most:
-        if rule == "auto" and b >= 256 and b * 3 // 4 > out[-1]:
-            out.append(b * 3 // 4)
         out.append(b)
         b *= 2
-    if rule == "auto" and b >= 256 and b * 3 // 4 > out[-1] and b * 3 // 4 < most:
-        out.append(b * 3 // 4)
     return out + ([most] if out[-1] < most else [])
 
 

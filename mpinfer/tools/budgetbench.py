@@ -16,8 +16,6 @@ thread that reads the serving processes' own GPU memory from NVML every 100 ms:
               the logits differently from the 24GiB server's fp16 ones)
     int4      int4 weights at 24GiB, 64 slots: the unique mix at 32 and 64 clients, greedy
               texts twice (stable)
-    buckets-pow2, buckets-auto  24GiB, 32 slots, the unique mix at 32 clients with the step
-              graphs' buckets at powers of two, then at the default (server.step_buckets)
 
 and reports each server's peak against its budget (the process's whole footprint: what a 24 GB
 card would have to hold), tokens/s and latencies, whether the greedy texts of 24GiB and 12GiB
@@ -173,9 +171,6 @@ def run_budget(a) -> dict:
                                                            work=short_work()))}  # fmt: skip
         return {"phases": ph, "greedy": greedy(url)}
 
-    def unique32(url):  # the issue's mix at its default 32 slots: one phase
-        return {"phases": {"unique-32": asyncio.run(loadgen.closed_loop(url, 32, a.seconds))}}
-
     def twin(url):
         return {"phases": {}, "greedy": greedy(url)}
 
@@ -191,9 +186,6 @@ def run_budget(a) -> dict:
         "6GiB": (a.offload_mem, offload),
         "6GiB-twin": ("24GiB", twin, 'quant.embeddings="int8"', 'server.kv_cache_dtype="int8"'),
         "int4": ("24GiB", int4, "server.max_batch_slots=64", 'quant.method="int4"'),
-        # the step graphs' buckets, the same mix twice: powers of two against the default
-        "buckets-pow2": ("24GiB", unique32, 'server.step_buckets="pow2"'),
-        "buckets-auto": ("24GiB", unique32, 'server.step_buckets="auto"'),
     }
     for name in a.budgets:
         budget, fn, *extra = runs[name]
@@ -252,8 +244,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="mpinfer bench budget", description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="bloom-7b1", choices=list(SHAPES))
     p.add_argument("--budgets", default="24GiB,12GiB,6GiB,6GiB-twin,int4",
-                   help="servers, in order (24GiB, 12GiB, 6GiB, 6GiB-twin, int4, buckets-pow2, "
-                   "buckets-auto)")  # fmt: skip
+                   help="servers, in order (24GiB, 12GiB, 6GiB, 6GiB-twin, int4)")  # fmt: skip
     p.add_argument("--offload-mem", default="6GiB", help="the over-budget server's budget")
     p.add_argument("--seconds", type=float, default=30)
     p.add_argument(
