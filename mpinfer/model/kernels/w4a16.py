@@ -37,7 +37,10 @@ but leaves the scale and offset out of the products: it sums a thread's run of e
 applies the group's scale and offset to the sum, one fma a weight instead of two, which is what
 the one-row loop is short of (its instructions, not its loads, set its pace: about 3 a weight
 against int8's 1.3). PREFETCH 1 makes the one-row loop take two groups
-an iteration (two independent weight loads in flight; Triton does not pipeline that loop).
+an iteration (two independent weight loads in flight; Triton does not pipeline that loop);
+PREFETCH 2 and 3 pipeline it by hand: the next one (two) groups' loads are issued before this
+iteration's products, so a load is always in flight while the loop computes (PREFETCH 1 waits
+for both of its loads, then computes with none in flight).
 """
 
 from __future__ import annotations
@@ -176,6 +179,32 @@ def _factored(b, s, z, x_lo, x_hi, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
     return s32 * (128.0 * p_lo + 2048.0 * p_hi - x_w) + z32 * x_s
 
 
+@triton.jit
+def _group_loads(w_ptrs, s_ptrs, z_ptrs, x_ptrs, offs_n, N, offs_h, ok, HALF: tl.constexpr):
+    """One group's packed bytes (BLOCK_N, HALF), scales and offsets (BLOCK_N, 1) and the two
+    halves of x (fp32) for the one-row loop; `ok` 0 (a group past the split's end) loads
+    zeros, which add nothing."""
+    rows_ok = offs_n < N * ok
+    b = tl.load(w_ptrs, mask=rows_ok[:, None], other=0)
+    s = tl.load(s_ptrs, mask=rows_ok, other=0.0)[:, None]
+    z = tl.load(z_ptrs, mask=rows_ok, other=0.0)[:, None]
+    h_ok = offs_h < HALF * ok
+    x_lo = tl.load(x_ptrs, mask=h_ok, other=0.0).to(tl.float32)
+    x_hi = tl.load(x_ptrs + HALF, mask=h_ok, other=0.0).to(tl.float32)
+    return b, s, z, x_lo, x_hi
+
+
+@triton.jit
+def _group_sum(b, s, z, x_lo, x_hi, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
+               CONV: tl.constexpr):  # fmt: skip
+    """One group's contribution to the one-row loop's sums (MAGIC 5 factored, else per
+    weight)."""
+    if CONV == 5:
+        return _factored(b, s, z, x_lo, x_hi, BLOCK_N, HALF)
+    lo, hi = _nibbles(b, s, z, tl.float32, CONV)
+    return lo * x_lo[None, :] + hi * x_hi[None, :]
+
+
 @triton.jit(do_not_specialize=["split_k"])
 def _w4a16(
     x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
@@ -263,35 +292,63 @@ def _w4a16(
         ACC_K: tl.constexpr = HALF // FACTOR_RUN if MAGIC == 5 else HALF
         acc2 = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
         x_ptrs = x_ptr + g_lo * BLOCK_K + offs_h
-        for g in range(g_lo, g_hi, 1 + PREFETCH):
-            b = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
-            s = tl.load(s_ptrs, mask=n_ok, other=0.0)[:, None]
-            z = tl.load(z_ptrs, mask=n_ok, other=0.0)[:, None]
-            if PREFETCH:  # the next group too (zeros past the split: s = z = 0)
-                has2 = tl.minimum(g_hi - g - 1, 1)  # 1 if the split has a next group, else 0
-                ok2 = offs_n < N * has2
-                b2 = tl.load(w_ptrs + HALF, mask=ok2[:, None], other=0)
-                s2 = tl.load(s_ptrs + N, mask=ok2, other=0.0)[:, None]
-                z2 = tl.load(z_ptrs + N, mask=ok2, other=0.0)[:, None]
-                h_ok = offs_h < HALF * has2
-                x2_lo = tl.load(x_ptrs + BLOCK_K, mask=h_ok, other=0.0).to(tl.float32)
-                x2_hi = tl.load(x_ptrs + BLOCK_K + HALF, mask=h_ok, other=0.0).to(tl.float32)
-            x_lo = tl.load(x_ptrs).to(tl.float32)
-            x_hi = tl.load(x_ptrs + HALF).to(tl.float32)
-            if MAGIC == 5:
-                acc2 += _factored(b, s, z, x_lo, x_hi, BLOCK_N, HALF)
-                if PREFETCH:
-                    acc2 += _factored(b2, s2, z2, x2_lo, x2_hi, BLOCK_N, HALF)
-            else:
-                lo, hi = _nibbles(b, s, z, tl.float32, CONV)
-                acc2 += lo * x_lo[None, :] + hi * x_hi[None, :]
-                if PREFETCH:
-                    lo2, hi2 = _nibbles(b2, s2, z2, tl.float32, CONV)
-                    acc2 += lo2 * x2_lo[None, :] + hi2 * x2_hi[None, :]
-            w_ptrs += HALF * (1 + PREFETCH)
-            s_ptrs += N * (1 + PREFETCH)
-            z_ptrs += N * (1 + PREFETCH)
-            x_ptrs += BLOCK_K * (1 + PREFETCH)
+        if PREFETCH >= 2:  # software-pipelined: the next PER groups load while these compute
+            PER: tl.constexpr = PREFETCH - 1
+            b, s, z, x_lo, x_hi = _group_loads(w_ptrs, s_ptrs, z_ptrs, x_ptrs, offs_n, N, offs_h,
+                                               tl.minimum(tl.maximum(g_hi - g_lo, 0), 1),
+                                               HALF)  # fmt: skip
+            if PER == 2:
+                b2, s2, z2, x2_lo, x2_hi = _group_loads(
+                    w_ptrs + HALF, s_ptrs + N, z_ptrs + N, x_ptrs + BLOCK_K, offs_n, N, offs_h,
+                    tl.minimum(tl.maximum(g_hi - g_lo - 1, 0), 1), HALF)  # fmt: skip
+            for g in range(g_lo, g_hi, PER):
+                w_ptrs += HALF * PER
+                s_ptrs += N * PER
+                z_ptrs += N * PER
+                x_ptrs += BLOCK_K * PER
+                nb, ns, nz, nx_lo, nx_hi = _group_loads(
+                    w_ptrs, s_ptrs, z_ptrs, x_ptrs, offs_n, N, offs_h,
+                    tl.minimum(tl.maximum(g_hi - g - PER, 0), 1), HALF)  # fmt: skip
+                if PER == 2:
+                    nb2, ns2, nz2, nx2_lo, nx2_hi = _group_loads(
+                        w_ptrs + HALF, s_ptrs + N, z_ptrs + N, x_ptrs + BLOCK_K, offs_n, N,
+                        offs_h, tl.minimum(tl.maximum(g_hi - g - PER - 1, 0), 1),
+                        HALF)  # fmt: skip
+                acc2 += _group_sum(b, s, z, x_lo, x_hi, BLOCK_N, HALF, CONV)
+                b, s, z, x_lo, x_hi = nb, ns, nz, nx_lo, nx_hi
+                if PER == 2:
+                    acc2 += _group_sum(b2, s2, z2, x2_lo, x2_hi, BLOCK_N, HALF, CONV)
+                    b2, s2, z2, x2_lo, x2_hi = nb2, ns2, nz2, nx2_lo, nx2_hi
+        else:
+            for g in range(g_lo, g_hi, 1 + PREFETCH):
+                b = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+                s = tl.load(s_ptrs, mask=n_ok, other=0.0)[:, None]
+                z = tl.load(z_ptrs, mask=n_ok, other=0.0)[:, None]
+                if PREFETCH:  # the next group too (zeros past the split: s = z = 0)
+                    has2 = tl.minimum(g_hi - g - 1, 1)  # 1 if the split has a next group, else 0
+                    ok2 = offs_n < N * has2
+                    b2 = tl.load(w_ptrs + HALF, mask=ok2[:, None], other=0)
+                    s2 = tl.load(s_ptrs + N, mask=ok2, other=0.0)[:, None]
+                    z2 = tl.load(z_ptrs + N, mask=ok2, other=0.0)[:, None]
+                    h_ok = offs_h < HALF * has2
+                    x2_lo = tl.load(x_ptrs + BLOCK_K, mask=h_ok, other=0.0).to(tl.float32)
+                    x2_hi = tl.load(x_ptrs + BLOCK_K + HALF, mask=h_ok, other=0.0).to(tl.float32)
+                x_lo = tl.load(x_ptrs).to(tl.float32)
+                x_hi = tl.load(x_ptrs + HALF).to(tl.float32)
+                if MAGIC == 5:
+                    acc2 += _factored(b, s, z, x_lo, x_hi, BLOCK_N, HALF)
+                    if PREFETCH:
+                        acc2 += _factored(b2, s2, z2, x2_lo, x2_hi, BLOCK_N, HALF)
+                else:
+                    lo, hi = _nibbles(b, s, z, tl.float32, CONV)
+                    acc2 += lo * x_lo[None, :] + hi * x_hi[None, :]
+                    if PREFETCH:
+                        lo2, hi2 = _nibbles(b2, s2, z2, tl.float32, CONV)
+                        acc2 += lo2 * x2_lo[None, :] + hi2 * x2_hi[None, :]
+                w_ptrs += HALF * (1 + PREFETCH)
+                s_ptrs += N * (1 + PREFETCH)
+                z_ptrs += N * (1 + PREFETCH)
+                x_ptrs += BLOCK_K * (1 + PREFETCH)
         acc = tl.sum(acc2, axis=1)  # (BLOCK_N,)
         reduce_and_finish(
             acc, n_ok, offs_n, offs_n, offs_n, offs_n,
