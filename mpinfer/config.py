@@ -157,9 +157,8 @@ class ServerConfig:
     sampler_rows: int = 0
     # Capture the decode step in CUDA graphs (one per batch-size bucket) on GPUs.
     cuda_graphs: bool = True
-    # The step graphs' token counts (a step runs the smallest that holds its tokens, padded):
-    # "auto" (the decode batches, then powers of two up to a full step) or a comma-separated
-    # list of token counts (fewer graphs: less memory and start-up; a full step is always one).
+    # The step graphs' token counts: "auto" (powers of two up to a full step) or a list such as
+    # "1,8,64,512" (fewer graphs, less memory; a step runs the smallest bucket that holds it).
     step_buckets: str = "auto"
     # A Jinja chat template file for /v1/chat/completions; "" = the tokenizer's, else BLOOM's
     # default (chat.py).
@@ -223,12 +222,10 @@ class RunConfig:
                     "max_prefill_tokens", "max_header_bytes", "max_connections",
                     "idle_timeout_s", "request_timeout_s", "max_stream_backlog",
                     "max_logit_bias", "max_token_ids", "max_logprob_entries",
-                    "max_jobs_per_request",
+                    "max_jobs_per_request", "kv_block_size",
                     "stall_timeout_s"):  # fmt: skip
             if getattr(s, key) <= 0:
                 raise ValueError(f"server.{key}={getattr(s, key)} must be > 0")
-        if s.kv_block_size <= 0:
-            raise ValueError(f"server.kv_block_size={s.kv_block_size} must be > 0")
         if s.kv_cache_tokens < 0:
             raise ValueError(f"server.kv_cache_tokens={s.kv_cache_tokens} must be >= 0 (0: all "
                              "that fits)")  # fmt: skip
@@ -237,9 +234,8 @@ class RunConfig:
                              "'model' or 'int8'")  # fmt: skip
         if s.prefill_hold_steps < 0:
             raise ValueError(f"server.prefill_hold_steps={s.prefill_hold_steps} must be >= 0")
-        if s.step_buckets != "auto" and not re.fullmatch(
-            r"\s*[1-9][0-9]*\s*(,\s*[1-9][0-9]*\s*)*", s.step_buckets
-        ):
+        if s.step_buckets != "auto" and not re.fullmatch(r"\s*[1-9]\d*\s*(,\s*[1-9]\d*\s*)*",
+                                                          s.step_buckets):  # fmt: skip
             raise ValueError(f"server.step_buckets={s.step_buckets!r}: expected 'auto' or token "
                              "counts such as '1,2,4,8,16,32,64,128,256'")  # fmt: skip
         if s.sampler_rows < 0:
