@@ -78,13 +78,13 @@ INT4_FAMILIES = [
     ("dot", 128, 128, 8, 3, 0, 128), ("dot", 128, 128, 8, 3, 0, 64),
     ("swap", 128, 128, 8, 3, 0, 128), ("swap", 128, 128, 8, 3, 0, 64),
     ("swap", 256, 128, 8, 3, 0, 128),
-    # Round 6: the one-row loop pipelined by hand (PREFETCH 2: the next group loads while this
-    # one computes; 3: the next two), magic5 only (INT4_PIPELINED_MAGIC)
+    # Round 6: the one-row loop with three (PREFETCH 2) and four (3) groups an iteration, every
+    # load before any product: more bytes in flight; magic5 only (INT4_WIDE_MAGIC)
     ("fma", 32, 128, 4, 3, 2, 0), ("fma", 64, 128, 4, 3, 2, 0), ("fma", 128, 128, 4, 3, 2, 0),
     ("fma", 64, 128, 8, 3, 2, 0), ("fma", 32, 128, 4, 3, 3, 0), ("fma", 64, 128, 4, 3, 3, 0),
 ]  # fmt: skip
-# magic5 won every one-row int4 launch of round 5's sweep: the pipelined families sweep it alone
-INT4_PIPELINED_MAGIC = 5
+# magic5 won every one-row int4 launch of round 5's sweep: the wider families sweep it alone
+INT4_WIDE_MAGIC = 5
 SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 INT4_SPLITS = (1, 2, 3, 4, 6, 8)
 TILED_SPLITS = (1, 2, 3, 4)
@@ -168,7 +168,7 @@ def candidates(bucket: int, dtype: str, *, bits: int = 8, group: int = 128) -> l
         return [n for n in out if not (n.startswith("fma") and parse(n)[0]["MAGIC"]
                                        in INT4_FMA_UNSWEPT)
                 and not (parse(n)[0]["PREFETCH"] >= 2
-                         and parse(n)[0]["MAGIC"] != INT4_PIPELINED_MAGIC)]  # fmt: skip
+                         and parse(n)[0]["MAGIC"] != INT4_WIDE_MAGIC)]  # fmt: skip
     if bucket > SINGLE_TILE:
         return names(TILED_FAMILIES, TILED_SPLITS, dtype, TILED_MAGIC[dtype])
     return names(SWEEP_FAMILIES, SWEEP_SPLITS, dtype)
@@ -204,7 +204,7 @@ def illegal(name_: str, rows: int, N: int, K: int, dtype: str, *, bits: int = 8,
     if kw["SWAP"] and rows == 1:
         return "swap is for several rows"
     if kw["PREFETCH"] >= 2 and (bits != 4 or kw["USE_DOT"]):
-        return "pf2 and pf3 (the pipelined loop) are the one-row int4 loop's"
+        return "pf2 and pf3 (three and four groups an iteration) are the one-row int4 loop's"
     if kw["MAGIC"] not in magics(dtype, bits):
         if kw["MAGIC"] >= 3:
             return "magic3-5 (the fp32 mantissa trick) are int4's"

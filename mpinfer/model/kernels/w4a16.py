@@ -38,9 +38,10 @@ applies the group's scale and offset to the sum, one fma a weight instead of two
 the one-row loop is short of (its instructions, not its loads, set its pace: about 3 a weight
 against int8's 1.3). PREFETCH 1 makes the one-row loop take two groups
 an iteration (two independent weight loads in flight; Triton does not pipeline that loop);
-PREFETCH 2 and 3 pipeline it by hand: the next one (two) groups' loads are issued before this
-iteration's products, so a load is always in flight while the loop computes (PREFETCH 1 waits
-for both of its loads, then computes with none in flight).
+PREFETCH 2 and 3 take three and four (more bytes in flight a program, the same instructions a
+weight). A loop that carries the next group's bytes across iterations (a true software
+pipeline) was tried first: Triton keeps a carried uint8 tile as one 16-bit register a byte and
+repacks it for the PTX, 45 % more instructions a group (the compiled PTX, Triton 3.9).
 """
 
 from __future__ import annotations
@@ -200,9 +201,11 @@ def _group_sum(b, s, z, x_lo, x_hi, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
     """One group's contribution to the one-row loop's sums (MAGIC 5 factored, else per
     weight)."""
     if CONV == 5:
-        return _factored(b, s, z, x_lo, x_hi, BLOCK_N, HALF)
-    lo, hi = _nibbles(b, s, z, tl.float32, CONV)
-    return lo * x_lo[None, :] + hi * x_hi[None, :]
+        out = _factored(b, s, z, x_lo, x_hi, BLOCK_N, HALF)
+    else:
+        lo, hi = _nibbles(b, s, z, tl.float32, CONV)
+        out = lo * x_lo[None, :] + hi * x_hi[None, :]
+    return out
 
 
 @triton.jit(do_not_specialize=["split_k"])
@@ -292,33 +295,32 @@ def _w4a16(
         ACC_K: tl.constexpr = HALF // FACTOR_RUN if MAGIC == 5 else HALF
         acc2 = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
         x_ptrs = x_ptr + g_lo * BLOCK_K + offs_h
-        if PREFETCH >= 2:  # software-pipelined: the next PER groups load while these compute
-            PER: tl.constexpr = PREFETCH - 1
-            b, s, z, x_lo, x_hi = _group_loads(w_ptrs, s_ptrs, z_ptrs, x_ptrs, offs_n, N, offs_h,
-                                               tl.minimum(tl.maximum(g_hi - g_lo, 0), 1),
-                                               HALF)  # fmt: skip
-            if PER == 2:
-                b2, s2, z2, x2_lo, x2_hi = _group_loads(
-                    w_ptrs + HALF, s_ptrs + N, z_ptrs + N, x_ptrs + BLOCK_K, offs_n, N, offs_h,
-                    tl.minimum(tl.maximum(g_hi - g_lo - 1, 0), 1), HALF)  # fmt: skip
+        if PREFETCH >= 2:  # 3 or 4 groups an iteration, every load issued before any product
+            PER: tl.constexpr = PREFETCH + 1
             for g in range(g_lo, g_hi, PER):
+                b, s, z, x_lo, x_hi = _group_loads(w_ptrs, s_ptrs, z_ptrs, x_ptrs, offs_n, N,
+                                                   offs_h, 1, HALF)  # fmt: skip
+                b1, s1, z1, x1_lo, x1_hi = _group_loads(
+                    w_ptrs + HALF, s_ptrs + N, z_ptrs + N, x_ptrs + BLOCK_K, offs_n, N,
+                    offs_h, tl.minimum(g_hi - g - 1, 1), HALF)  # fmt: skip
+                ok2 = tl.maximum(tl.minimum(g_hi - g - 2, 1), 0)  # 1 if the split has group g + 2
+                b2, s2, z2, x2_lo, x2_hi = _group_loads(
+                    w_ptrs + 2 * HALF, s_ptrs + 2 * N, z_ptrs + 2 * N, x_ptrs + 2 * BLOCK_K,
+                    offs_n, N, offs_h, ok2, HALF)  # fmt: skip
+                if PER == 4:
+                    ok3 = tl.maximum(tl.minimum(g_hi - g - 3, 1), 0)
+                    b3, s3, z3, x3_lo, x3_hi = _group_loads(
+                        w_ptrs + 3 * HALF, s_ptrs + 3 * N, z_ptrs + 3 * N, x_ptrs + 3 * BLOCK_K,
+                        offs_n, N, offs_h, ok3, HALF)  # fmt: skip
+                acc2 += _group_sum(b, s, z, x_lo, x_hi, BLOCK_N, HALF, CONV)
+                acc2 += _group_sum(b1, s1, z1, x1_lo, x1_hi, BLOCK_N, HALF, CONV)
+                acc2 += _group_sum(b2, s2, z2, x2_lo, x2_hi, BLOCK_N, HALF, CONV)
+                if PER == 4:
+                    acc2 += _group_sum(b3, s3, z3, x3_lo, x3_hi, BLOCK_N, HALF, CONV)
                 w_ptrs += HALF * PER
                 s_ptrs += N * PER
                 z_ptrs += N * PER
                 x_ptrs += BLOCK_K * PER
-                nb, ns, nz, nx_lo, nx_hi = _group_loads(
-                    w_ptrs, s_ptrs, z_ptrs, x_ptrs, offs_n, N, offs_h,
-                    tl.minimum(tl.maximum(g_hi - g - PER, 0), 1), HALF)  # fmt: skip
-                if PER == 2:
-                    nb2, ns2, nz2, nx2_lo, nx2_hi = _group_loads(
-                        w_ptrs + HALF, s_ptrs + N, z_ptrs + N, x_ptrs + BLOCK_K, offs_n, N,
-                        offs_h, tl.minimum(tl.maximum(g_hi - g - PER - 1, 0), 1),
-                        HALF)  # fmt: skip
-                acc2 += _group_sum(b, s, z, x_lo, x_hi, BLOCK_N, HALF, CONV)
-                b, s, z, x_lo, x_hi = nb, ns, nz, nx_lo, nx_hi
-                if PER == 2:
-                    acc2 += _group_sum(b2, s2, z2, x2_lo, x2_hi, BLOCK_N, HALF, CONV)
-                    b2, s2, z2, x2_lo, x2_hi = nb2, ns2, nz2, nx2_lo, nx2_hi
         else:
             for g in range(g_lo, g_hi, 1 + PREFETCH):
                 b = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
