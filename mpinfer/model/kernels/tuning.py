@@ -249,10 +249,12 @@ def default_config(rows: int, N: int, K: int, dtype: str, sms: int, *, bits: int
     else:
         magic, bk = 2 if fp16 or rows == 1 else 0, 128
     if rows == 1 and bits == 4:
-        # magic5's one-row loop won every one-row int4 launch of the H100's sweep (round 5: 3-16 %
-        # over the best magic2 config, 1.1-3.9x over the earlier rule), with 64 rows a program
-        # and about four programs per SM
-        base = f"fma n64 k{bk} split{{}} pf0 magic5 w4 s3"
+        # magic5's one-row loop won every one-row int4 launch of the H100's sweeps (rounds 5-6),
+        # 64 rows a program, the K groups cut into splits of at least three (more programs in
+        # flight), and for a weight of 64 MiB or more two groups an iteration (BLOOM-176B at tp
+        # 1: 1.16-1.31x over one group and the fewest splits that fill the GPU)
+        pf = int(N * K // 2 >= 64 << 20)
+        base = f"fma n64 k{bk} split{{}} pf{pf} magic5 w4 s3"
         tiles = -(-N // 64) / 4
     elif rows == 1:
         base = f"fma n16 k256 split{{}} pf0 magic{magic} w4 s3"
@@ -270,6 +272,8 @@ def default_config(rows: int, N: int, K: int, dtype: str, sms: int, *, bits: int
         if not illegal(base.format(s), rows, N, K, dtype, bits=bits, group=group)
     ]
     split = next((s for s in legal if tiles * s >= sms), legal[-1] if legal else 1)
+    if rows == 1 and bits == 4:  # and at least three groups a split, as many splits as that allows
+        split = max(split, next((s for s in reversed(legal) if K // group >= 3 * s), 1))
     return base.format(split)
 
 
