@@ -40,11 +40,6 @@ def test_every_sweep_config_name_round_trips():
     int8 = tuning.names(tuning.SWEEP_FAMILIES + tuning.TILED_FAMILIES, (1,), "float16")
     assert {n.split()[5] for n in int8} == {"magic0", "magic1", "magic2"}
     assert {n.split()[2] for n in int4} == {"k64"}
-    # three and four groups an iteration (pf2, pf3) are swept with magic5 alone
-    one_row = tuning.candidates(1, "float16", bits=4, group=128)
-    piped = [n for n in one_row if n.split()[4] in ("pf2", "pf3")]
-    assert piped and {n.split()[5] for n in piped} == {"magic5"}
-    assert {n.split()[5] for n in one_row if n.startswith("fma")} == {"magic2", "magic4", "magic5"}
     assert tuning.parse("swap n128 k64 split1 pf0 magic2 w8 s3 m128")[0]["BLOCK_M"] == 128
 
 
@@ -79,10 +74,6 @@ def test_a_bad_config_name_is_refused_by_name(bad):
      ("dot n64 k128 split4 pf0 magic4 w4 s3", 16, 4096, 4096, "float16", 4, "one-row loop"),
      ("swap n64 k128 split1 pf0 magic2 w4 s4", 16, 4096, 4096, "float16", 4, "not repeatable"),
      ("dot n64 k128 split4 pf0 magic2 w4 s3", 1, 4096, 4096, "float16", 4, None),
-     ("fma n64 k128 split4 pf2 magic5 w4 s3", 1, 4096, 4096, "float16", 4, None),
-     ("fma n64 k128 split4 pf3 magic4 w4 s3", 1, 4096, 4096, "bfloat16", 4, None),
-     ("fma n16 k256 split1 pf2 magic2 w4 s3", 1, 4096, 4096, "float16", 8, "four groups"),
-     ("dot n64 k128 split4 pf3 magic2 w4 s3", 1, 4096, 4096, "float16", 4, "four groups"),
      ("swap n128 k128 split3 pf0 magic1 w8 s3 m64", 576, 5376, 14336, "float16", 4, "workspace"),
      ("swap n128 k128 split2 pf0 magic1 w8 s3 m64", 300, 5376, 14336, "float16", 4, None),
      ("swap n128 k64 split1 pf0 magic0 w8 s3 m128", 5000, 4096, 4096, "bfloat16", 8, None)],

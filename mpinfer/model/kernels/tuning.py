@@ -78,13 +78,7 @@ INT4_FAMILIES = [
     ("dot", 128, 128, 8, 3, 0, 128), ("dot", 128, 128, 8, 3, 0, 64),
     ("swap", 128, 128, 8, 3, 0, 128), ("swap", 128, 128, 8, 3, 0, 64),
     ("swap", 256, 128, 8, 3, 0, 128),
-    # Round 6: the one-row loop with three (PREFETCH 2) and four (3) groups an iteration, every
-    # load before any product: more bytes in flight; magic5 only (INT4_WIDE_MAGIC)
-    ("fma", 32, 128, 4, 3, 2, 0), ("fma", 64, 128, 4, 3, 2, 0), ("fma", 128, 128, 4, 3, 2, 0),
-    ("fma", 64, 128, 8, 3, 2, 0), ("fma", 32, 128, 4, 3, 3, 0), ("fma", 64, 128, 4, 3, 3, 0),
 ]  # fmt: skip
-# magic5 won every one-row int4 launch of round 5's sweep: the wider families sweep it alone
-INT4_WIDE_MAGIC = 5
 SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 INT4_SPLITS = (1, 2, 3, 4, 6, 8)
 TILED_SPLITS = (1, 2, 3, 4)
@@ -93,7 +87,7 @@ TILED_SPLITS = (1, 2, 3, 4)
 TILED_MAGIC = {"float16": (1, 2), "bfloat16": (0, 2)}
 
 _NAME = re.compile(
-    r"(dot|swap|fma) n(\d+) k(\d+) split(\d+) pf([0-3]) magic([0-5]) w(\d+) s(\d+)(?: m(\d+))?"
+    r"(dot|swap|fma) n(\d+) k(\d+) split(\d+) pf([01]) magic([0-5]) w(\d+) s(\d+)(?: m(\d+))?"
 )
 
 
@@ -166,9 +160,7 @@ def candidates(bucket: int, dtype: str, *, bits: int = 8, group: int = 128) -> l
         out = names(fams, INT4_SPLITS if bucket <= SINGLE_TILE else TILED_SPLITS, dtype, bits=4,
                     group=group)  # fmt: skip
         return [n for n in out if not (n.startswith("fma") and parse(n)[0]["MAGIC"]
-                                       in INT4_FMA_UNSWEPT)
-                and not (parse(n)[0]["PREFETCH"] >= 2
-                         and parse(n)[0]["MAGIC"] != INT4_WIDE_MAGIC)]  # fmt: skip
+                                       in INT4_FMA_UNSWEPT)]  # fmt: skip
     if bucket > SINGLE_TILE:
         return names(TILED_FAMILIES, TILED_SPLITS, dtype, TILED_MAGIC[dtype])
     return names(SWEEP_FAMILIES, SWEEP_SPLITS, dtype)
@@ -203,8 +195,6 @@ def illegal(name_: str, rows: int, N: int, K: int, dtype: str, *, bits: int = 8,
         return "the fma loop computes one row"
     if kw["SWAP"] and rows == 1:
         return "swap is for several rows"
-    if kw["PREFETCH"] >= 2 and (bits != 4 or kw["USE_DOT"]):
-        return "pf2 and pf3 (three and four groups an iteration) are the one-row int4 loop's"
     if kw["MAGIC"] not in magics(dtype, bits):
         if kw["MAGIC"] >= 3:
             return "magic3-5 (the fp32 mantissa trick) are int4's"

@@ -37,11 +37,7 @@ but leaves the scale and offset out of the products: it sums a thread's run of e
 applies the group's scale and offset to the sum, one fma a weight instead of two, which is what
 the one-row loop is short of (its instructions, not its loads, set its pace: about 3 a weight
 against int8's 1.3). PREFETCH 1 makes the one-row loop take two groups
-an iteration (two independent weight loads in flight; Triton does not pipeline that loop);
-PREFETCH 2 and 3 take three and four (more bytes in flight a program, the same instructions a
-weight). A loop that carries the next group's bytes across iterations (a true software
-pipeline) was tried first: Triton keeps a carried uint8 tile as one 16-bit register a byte and
-repacks it for the PTX, 45 % more instructions a group (the compiled PTX, Triton 3.9).
+an iteration (two independent weight loads in flight; Triton does not pipeline that loop).
 """
 
 from __future__ import annotations
@@ -180,34 +176,6 @@ def _factored(b, s, z, x_lo, x_hi, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
     return s32 * (128.0 * p_lo + 2048.0 * p_hi - x_w) + z32 * x_s
 
 
-@triton.jit
-def _group_loads(w_ptrs, s_ptrs, z_ptrs, x_ptrs, offs_n, N, offs_h, ok, HALF: tl.constexpr):
-    """One group's packed bytes (BLOCK_N, HALF), scales and offsets (BLOCK_N, 1) and the two
-    halves of x (fp32) for the one-row loop; `ok` 0 (a group past the split's end) loads
-    zeros, which add nothing."""
-    rows_ok = offs_n < N * ok
-    b = tl.load(w_ptrs, mask=rows_ok[:, None], other=0)
-    s = tl.load(s_ptrs, mask=rows_ok, other=0.0)[:, None]
-    z = tl.load(z_ptrs, mask=rows_ok, other=0.0)[:, None]
-    h_ok = offs_h < HALF * ok
-    x_lo = tl.load(x_ptrs, mask=h_ok, other=0.0).to(tl.float32)
-    x_hi = tl.load(x_ptrs + HALF, mask=h_ok, other=0.0).to(tl.float32)
-    return b, s, z, x_lo, x_hi
-
-
-@triton.jit
-def _group_sum(b, s, z, x_lo, x_hi, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
-               CONV: tl.constexpr):  # fmt: skip
-    """One group's contribution to the one-row loop's sums (MAGIC 5 factored, else per
-    weight)."""
-    if CONV == 5:
-        out = _factored(b, s, z, x_lo, x_hi, BLOCK_N, HALF)
-    else:
-        lo, hi = _nibbles(b, s, z, tl.float32, CONV)
-        out = lo * x_lo[None, :] + hi * x_hi[None, :]
-    return out
-
-
 @triton.jit(do_not_specialize=["split_k"])
 def _w4a16(
     x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
@@ -295,62 +263,35 @@ def _w4a16(
         ACC_K: tl.constexpr = HALF // FACTOR_RUN if MAGIC == 5 else HALF
         acc2 = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
         x_ptrs = x_ptr + g_lo * BLOCK_K + offs_h
-        if PREFETCH >= 2:  # 3 or 4 groups an iteration, every load issued before any product
-            PER: tl.constexpr = PREFETCH + 1
-            for g in range(g_lo, g_hi, PER):
-                b, s, z, x_lo, x_hi = _group_loads(w_ptrs, s_ptrs, z_ptrs, x_ptrs, offs_n, N,
-                                                   offs_h, 1, HALF)  # fmt: skip
-                b1, s1, z1, x1_lo, x1_hi = _group_loads(
-                    w_ptrs + HALF, s_ptrs + N, z_ptrs + N, x_ptrs + BLOCK_K, offs_n, N,
-                    offs_h, tl.minimum(g_hi - g - 1, 1), HALF)  # fmt: skip
-                ok2 = tl.maximum(tl.minimum(g_hi - g - 2, 1), 0)  # 1 if the split has group g + 2
-                b2, s2, z2, x2_lo, x2_hi = _group_loads(
-                    w_ptrs + 2 * HALF, s_ptrs + 2 * N, z_ptrs + 2 * N, x_ptrs + 2 * BLOCK_K,
-                    offs_n, N, offs_h, ok2, HALF)  # fmt: skip
-                if PER == 4:
-                    ok3 = tl.maximum(tl.minimum(g_hi - g - 3, 1), 0)
-                    b3, s3, z3, x3_lo, x3_hi = _group_loads(
-                        w_ptrs + 3 * HALF, s_ptrs + 3 * N, z_ptrs + 3 * N, x_ptrs + 3 * BLOCK_K,
-                        offs_n, N, offs_h, ok3, HALF)  # fmt: skip
-                acc2 += _group_sum(b, s, z, x_lo, x_hi, BLOCK_N, HALF, CONV)
-                acc2 += _group_sum(b1, s1, z1, x1_lo, x1_hi, BLOCK_N, HALF, CONV)
-                acc2 += _group_sum(b2, s2, z2, x2_lo, x2_hi, BLOCK_N, HALF, CONV)
-                if PER == 4:
-                    acc2 += _group_sum(b3, s3, z3, x3_lo, x3_hi, BLOCK_N, HALF, CONV)
-                w_ptrs += HALF * PER
-                s_ptrs += N * PER
-                z_ptrs += N * PER
-                x_ptrs += BLOCK_K * PER
-        else:
-            for g in range(g_lo, g_hi, 1 + PREFETCH):
-                b = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
-                s = tl.load(s_ptrs, mask=n_ok, other=0.0)[:, None]
-                z = tl.load(z_ptrs, mask=n_ok, other=0.0)[:, None]
-                if PREFETCH:  # the next group too (zeros past the split: s = z = 0)
-                    has2 = tl.minimum(g_hi - g - 1, 1)  # 1 if the split has a next group, else 0
-                    ok2 = offs_n < N * has2
-                    b2 = tl.load(w_ptrs + HALF, mask=ok2[:, None], other=0)
-                    s2 = tl.load(s_ptrs + N, mask=ok2, other=0.0)[:, None]
-                    z2 = tl.load(z_ptrs + N, mask=ok2, other=0.0)[:, None]
-                    h_ok = offs_h < HALF * has2
-                    x2_lo = tl.load(x_ptrs + BLOCK_K, mask=h_ok, other=0.0).to(tl.float32)
-                    x2_hi = tl.load(x_ptrs + BLOCK_K + HALF, mask=h_ok, other=0.0).to(tl.float32)
-                x_lo = tl.load(x_ptrs).to(tl.float32)
-                x_hi = tl.load(x_ptrs + HALF).to(tl.float32)
-                if MAGIC == 5:
-                    acc2 += _factored(b, s, z, x_lo, x_hi, BLOCK_N, HALF)
-                    if PREFETCH:
-                        acc2 += _factored(b2, s2, z2, x2_lo, x2_hi, BLOCK_N, HALF)
-                else:
-                    lo, hi = _nibbles(b, s, z, tl.float32, CONV)
-                    acc2 += lo * x_lo[None, :] + hi * x_hi[None, :]
-                    if PREFETCH:
-                        lo2, hi2 = _nibbles(b2, s2, z2, tl.float32, CONV)
-                        acc2 += lo2 * x2_lo[None, :] + hi2 * x2_hi[None, :]
-                w_ptrs += HALF * (1 + PREFETCH)
-                s_ptrs += N * (1 + PREFETCH)
-                z_ptrs += N * (1 + PREFETCH)
-                x_ptrs += BLOCK_K * (1 + PREFETCH)
+        for g in range(g_lo, g_hi, 1 + PREFETCH):
+            b = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+            s = tl.load(s_ptrs, mask=n_ok, other=0.0)[:, None]
+            z = tl.load(z_ptrs, mask=n_ok, other=0.0)[:, None]
+            if PREFETCH:  # the next group too (zeros past the split: s = z = 0)
+                has2 = tl.minimum(g_hi - g - 1, 1)  # 1 if the split has a next group, else 0
+                ok2 = offs_n < N * has2
+                b2 = tl.load(w_ptrs + HALF, mask=ok2[:, None], other=0)
+                s2 = tl.load(s_ptrs + N, mask=ok2, other=0.0)[:, None]
+                z2 = tl.load(z_ptrs + N, mask=ok2, other=0.0)[:, None]
+                h_ok = offs_h < HALF * has2
+                x2_lo = tl.load(x_ptrs + BLOCK_K, mask=h_ok, other=0.0).to(tl.float32)
+                x2_hi = tl.load(x_ptrs + BLOCK_K + HALF, mask=h_ok, other=0.0).to(tl.float32)
+            x_lo = tl.load(x_ptrs).to(tl.float32)
+            x_hi = tl.load(x_ptrs + HALF).to(tl.float32)
+            if MAGIC == 5:
+                acc2 += _factored(b, s, z, x_lo, x_hi, BLOCK_N, HALF)
+                if PREFETCH:
+                    acc2 += _factored(b2, s2, z2, x2_lo, x2_hi, BLOCK_N, HALF)
+            else:
+                lo, hi = _nibbles(b, s, z, tl.float32, CONV)
+                acc2 += lo * x_lo[None, :] + hi * x_hi[None, :]
+                if PREFETCH:
+                    lo2, hi2 = _nibbles(b2, s2, z2, tl.float32, CONV)
+                    acc2 += lo2 * x2_lo[None, :] + hi2 * x2_hi[None, :]
+            w_ptrs += HALF * (1 + PREFETCH)
+            s_ptrs += N * (1 + PREFETCH)
+            z_ptrs += N * (1 + PREFETCH)
+            x_ptrs += BLOCK_K * (1 + PREFETCH)
         acc = tl.sum(acc2, axis=1)  # (BLOCK_N,)
         reduce_and_finish(
             acc, n_ok, offs_n, offs_n, offs_n, offs_n,
