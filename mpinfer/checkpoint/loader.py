@@ -116,9 +116,10 @@ def placement(off: OffloadPlan | None, device: torch.device, model: BloomModel):
 
 
 def finish_model(model: BloomModel, device: torch.device, off: OffloadPlan | None = None,
-                 arena: HostArena | None = None) -> None:  # fmt: skip
+                 arena: HostArena | None = None, rows: int = 0) -> None:  # fmt: skip
     """Check nothing is left on meta, run the per-layer and per-model hooks, and set up the
-    offloaded blocks' ring (`off`, their weights in `arena`)."""
+    offloaded blocks' ring (`off`, their weights in `arena`; `rows`, the sequences a step
+    carries, for the logged prediction at the measured copy speed)."""
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise ValueError(f"{len(left)} tensors the plan needs are not in the checkpoint, e.g. "
@@ -139,9 +140,11 @@ def finish_model(model: BloomModel, device: torch.device, off: OffloadPlan | Non
             model.offload.depth,
         )
         if gbps := model.offload.measure():
+            floor = off.copy_ms(gbps)
             log.info("host-to-GPU copies at %.1f GB/s: a step copies %.2f GiB, so it takes at "
-                     "least %.0f ms at any batch", gbps, off.host_bytes / 2**30,
-                     off.copy_ms(gbps))  # fmt: skip
+                     "least %.0f ms at any batch%s", gbps, off.host_bytes / 2**30, floor,
+                     f"; {rows} rows a step: at most {rows / floor * 1e3:.0f} tok/s at this "
+                     "speed" if rows else "")  # fmt: skip
 
 
 def agree_on_model(cfg: RunConfig, ctx: DistContext) -> tuple[BloomShape, int, HFCheckpoint | None]:
@@ -291,7 +294,7 @@ def _load_from_hf(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
         _stream_rank0(model, specs, ckpt, tp_size, dtype, ctx, place)
     else:
         _stream_other(model, specs, tp_size, dtype, ctx, place)
-    finish_model(model, ctx.device, off, arena)
+    finish_model(model, ctx.device, off, arena, cfg.server.max_batch_slots)
     return LoadedModel(model, shape, tp, dtype, ctx.device, cfg.model.path, cfg=cfg)
 
 
@@ -332,7 +335,7 @@ def _load_sharded(cfg: RunConfig, ctx: DistContext) -> LoadedModel:
                     t = t.to(dtype)
                 planned(model, name, t)  # before it is placed anywhere
                 assign_tensor(model, name, place(name, t))
-        finish_model(model, ctx.device, off, arena)
+        finish_model(model, ctx.device, off, arena, cfg.server.max_batch_slots)
     except ValueError as e:
         error = f"rank file {path}: {e}"
     errors = [e for e in gather_everywhere(error, ctx) if e]
