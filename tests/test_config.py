@@ -38,6 +38,9 @@ def test_overrides_apply_with_types(tmp_path):
         ("generation.top_p=0", "generation.top_p=0.0 must be in (0, 1]"),
         ("model.dtype=float64", "model.dtype='float64'"),
         ("nodot=3", "the key must be section.key"),
+        ('server.step_buckets="pow2"', "server.step_buckets='pow2': expected 'auto' or token"),
+        ('server.step_buckets="8,0,64"', "server.step_buckets='8,0,64'"),
+        ("server.kv_block_size=0", "server.kv_block_size=0 must be > 0"),
     ],
 )
 def test_bad_keys_and_values_name_the_key(override, message):
@@ -51,3 +54,7 @@ def test_unknown_key_in_file_is_named(tmp_path):
     f.write_text("[parallel]\ntp = 2\n")
     with pytest.raises(ValueError, match="unknown config key parallel.tp"):
         load_config(str(f))
+
+
+def test_step_buckets_take_a_list_of_token_counts():
+    assert load_config(None, ['server.step_buckets="1, 8,64"']).server.step_buckets == "1, 8,64"

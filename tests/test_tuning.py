@@ -120,6 +120,23 @@ def test_the_default_rule_is_legal_and_fills_the_gpu_for_every_bucket(bits):
                     N, K, rows, config)  # fmt: skip
 
 
+def test_the_one_row_int4_rule_keeps_three_groups_a_split_and_widens_big_weights():
+    """Round 6's rule for one-row int4 launches no table has: as many splits as leave at least
+    three groups each (never fewer than fill the GPU), and two groups an iteration from 64 MiB
+    of weight (BLOOM-176B's tp-1 matrices)."""
+    from mpinfer.tools.kernelbench import models_shapes
+
+    shapes = list(models_shapes("bloom-7b1,bloom-176b:8,bloom-176b").values())
+    assert any(N * K // 2 >= 64 << 20 for N, K, _ in shapes)  # both sides of the threshold
+    for N, K, _ in shapes:
+        kw, _, _ = tuning.parse(tuning.default_config(1, N, K, "float16", 132, bits=4, group=128))
+        groups, split = K // 128, kw["split_k"]
+        assert kw["PREFETCH"] == int(N * K // 2 >= 64 << 20), (N, K)
+        assert groups >= 3 * split, (N, K, split)
+        more = next((s for s in (1, 2, 3, 4, 6, 8) if s > split), None)
+        assert more is None or groups < 3 * more, (N, K, split)  # no larger split keeps three
+
+
 def test_every_shipped_table_is_runnable_and_covered_by_the_gpu_tests():
     tables = sorted(tuning.TABLE_DIR.glob("*.json"))
     assert tables, f"no tuned table under {tuning.TABLE_DIR}"

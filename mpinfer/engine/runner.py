@@ -52,8 +52,7 @@ def step_buckets(slots: int, max_prefill_tokens: int, rule: str = "auto") -> lis
     step's most tokens (every slot decoding beside a full prompt budget), and that most:
     "auto", the decode buckets (powers of two up to the slots, and the slots), then powers of
     two; or a list "N,N,..." of token counts (a step past the largest runs eagerly at its own
-    size). Halfway buckets from 192 on (a mixed step padded to 1.5 times its rows at most,
-    instead of 2) gave the same served throughput on an H100 (docs/performance.md)."""
+    size)."""
     most = slots + max_prefill_tokens
     if rule != "auto":
         return sorted({b for b in map(int, rule.split(",")) if b < most} | {most})

@@ -263,6 +263,6 @@ def phase_row(name: str, p: dict, ideal: float | None) -> list:
             f(p["gpu_util_pct"], ".0f"), f(p["gpu_mem_gib"], ".1f"), p["errors"]]  # fmt: skip
 
 
-PHASE_HEADER = ["load", "output tok/s", "steady tok/s", "/ ideal", "prefix hit rate", "TTFT p50 ms",
-                "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "prompt/output", "GPU util %",
-                "GPU GiB", "errors"]  # fmt: skip
+PHASE_HEADER = ["load", "output tok/s", "steady tok/s", "/ ideal", "prefix hit rate",
+                "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "prompt/output",
+                "GPU util %", "GPU GiB", "errors"]  # fmt: skip
