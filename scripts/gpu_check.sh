@@ -21,6 +21,9 @@
 #   r6-h200   round 6, on an H200: re-tune the one-row int4 launches (magic5), int4 decode steps
 #             (7b1), BLOOM-176B int4 whole on the GPU; r6-offload: the 6 GiB offloaded server
 #             (OFFLOAD_SECONDS of 128 clients) and its resident twin
+#   tune8-decode  re-tune the int8 launches of 1-64 rows and of the 512-row bucket
+#   mixed-profile  the engine in-process under the unique mix: each step's GPU time, idle gaps
+#             and host time by bucket; synthetic mixed steps; one 100-token step's kernels
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
 #   final     budget, int4, int4-176b, kernels, then the GPU tests
@@ -108,6 +111,14 @@ candidates)  # other libraries' kernels beside ours, on two bloom-7b1 shapes
     TAIL=30 stage candidates "${CAND_TIME:-150}" bench kernels --rows 1,64,256 \
         --quant int8,int4 --candidates all --models bloom-7b1 --shapes "7b1 qkv,7b1 fc2" \
         --out "$RES/candidates.json" ;;
+tune8-decode)  # int8 launches of 1-64 rows and the 512-row bucket (the H100 had no entries)
+    TAIL=4 stage tune-int8-decode "${TUNE8_TIME:-300}" bench kernels --tune "$table" --quant int8 \
+        --rows "${ROWS8:-1,16,32,64,512}" --models "${MODELS8:-bloom-7b1,bloom-176b:8}" \
+        --out "$RES/tune-int8-decode.json"
+    cp "$table" "$RES/" ;;
+mixed-profile)  # where a served mixed step's time goes (the engine in-process, unique mix)
+    TAIL=60 stage mixed-profile "${PROFILE_TIME:-300}" python3 -m mpinfer.tools.diag.mixed_step \
+        --seconds "${SUSTAIN:-20}" --out "$RES/mixed-profile.json" ;;
 kernel-tests) TAIL=15 stage gpu-tests-kernels "$(left)" gpu_tests -k "linear or family" ;;
 tests) TAIL=15 stage gpu-tests "$(left)" gpu_tests ;;
 serve)
