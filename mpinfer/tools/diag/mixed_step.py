@@ -50,6 +50,7 @@ def drive(engine: Engine, tok, clients: int, seconds: float) -> dict:
         rec["tokens"] = len(step.decode_slots) + sum(len(p.tokens) for p in step.prefills)
         rec["decode"], rec["prefills"] = len(step.decode_slots), len(step.prefills)
         rec["ctx"] = sum(step.decode_pos) / max(1, len(step.decode_pos))
+        rec["sampled"] = len(step.decode_slots) + sum(p.sample for p in step.prefills)
         rec["bucket"] = runner.bucket(rec["tokens"])
         out = execute(step, *a, **k)
         rec["mid"] = torch.cuda.Event(enable_timing=True)
@@ -123,14 +124,20 @@ def drive(engine: Engine, tok, clients: int, seconds: float) -> dict:
     for i, r in enumerate(steps):
         if "end" not in r or r["t0"] < lo or r["t0"] > end:
             continue
-        keys = ("tokens", "decode", "ctx", "prefills", "bucket", "launch_ms", "complete_ms")
+        keys = ("tokens", "decode", "ctx", "prefills", "sampled", "bucket", "launch_ms",
+                "complete_ms")  # fmt: skip
         row = {k: r.get(k) for k in (*keys, "wait_ms")}
         row["forward_ms"] = r["start"].elapsed_time(r["mid"])
         row["sample_ms"] = r["mid"].elapsed_time(r["end"])
         if i and "end" in steps[i - 1]:
             row["gap_ms"] = max(0.0, steps[i - 1]["end"].elapsed_time(r["start"]))
         rows.append(row)
-    return {"steady_tok_per_s": steady, "requests": sent, "steps": rows}
+    # prompt tokens per output token in the window: every step's prompt tokens over its sampled
+    # rows (decode rows and prompts' last chunks)
+    prompt = sum(r["tokens"] - r["decode"] for r in rows)
+    out = sum(r["sampled"] for r in rows)
+    return {"steady_tok_per_s": steady, "requests": sent, "steps": rows,
+            "prompt_per_output": prompt / max(1, out)}  # fmt: skip
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -212,18 +219,18 @@ def main() -> None:
         f"{sum(r.get('gap_ms', 0) for r in rows) / wall:.0%} of the GPU timeline"
     )
     print(
-        f"{'bucket':>6}{'steps':>7}{'tokens':>8}{'decode':>8}{'fwd ms':>8}{'samp ms':>8}"
+        f"{'bucket':>6}{'steps':>7}{'tokens':>8}{'decode':>8}{'ctx':>6}{'fwd ms':>8}{'samp ms':>8}"
         f"{'gap ms':>8}{'launch':>8}{'complete':>9}"
     )
     for s in result["by_bucket"]:
         print(
-            f"{s['bucket']:>6}{s['steps']:>7}{s['tokens']:>8.1f}{s['decode']:>8.1f}"
+            f"{s['bucket']:>6}{s['steps']:>7}{s['tokens']:>8.1f}{s['decode']:>8.1f}{s['ctx']:>6.0f}"
             f"{s['forward_ms']:>8.2f}{s['sample_ms']:>8.2f}{s['gap_ms']:>8.2f}"
             f"{s['launch_ms']:>8.2f}{s['complete_ms']:>9.2f}"
         )
     del engine
     ctx_len, rows = 512, a.clients  # about the served decode rows' context (the table's ctx)
-    runner = make_runner(model, shape, tp, slots=rows + 8, max_seq=1024)
+    runner = make_runner(model, shape, tp, slots=rows + 3, max_seq=1088)
     fill_context(runner, rows, ctx_len)
     dec = dict(decode_slots=tuple(range(rows)), decode_pos=(ctx_len,) * rows)
     synth = {}
@@ -232,6 +239,19 @@ def main() -> None:
         pf = (Prefill(rows + 1, 0, tuple(range(5, 5 + chunk)), sample=True),) if chunk else ()
         step = Step(**dec, prefills=pf)
         synth[total] = cuda_time(lambda step=step: runner.execute(step), iters=20)
+    for c in (128, ctx_len):  # the issue's ideal prices decode rows at context 128
+        step = Step(decode_slots=dec["decode_slots"], decode_pos=(c,) * rows)
+        synth[f"decode b{rows} ctx {c}"] = cuda_time(lambda step=step: runner.execute(step),
+                                                     iters=20)  # fmt: skip
+    big = Step(prefills=(Prefill(rows + 2, 0, tuple(range(5, 1029)), sample=True),))
+    synth["prefill 1024 tok/s"] = 1024 / cuda_time(lambda: runner.execute(big), iters=5) * 1e3
+    ppo, best = result["prompt_per_output"], synth["prefill 1024 tok/s"]
+    result["ideal_tok_s"] = {c: loadgen.ideal_tok_s(ppo, best, synth[f"decode b{rows} ctx {c}"])
+                             for c in (128, ctx_len)}  # fmt: skip
+    print(f"\nprompt tokens per output {ppo:.2f}; the mix's ideal (prefill {best:,.0f} tok/s, "
+          "decode rows at context 128 / 512): " + " / ".join(
+              f"{v:,.0f} tok/s ({result['steady_tok_per_s'] / v:.2f} x)"
+              for v in result["ideal_tok_s"].values()))  # fmt: skip
     tables = runner.cache.tables
     perm = torch.randperm(runner.cache.num_blocks, device=tables.device)
     tables.copy_(perm[tables])  # the same rows over scattered blocks
@@ -242,7 +262,7 @@ def main() -> None:
         "replay, ms): " + ", ".join(f"{k} tok {v:.2f}" for k, v in synth.items())
     )
     runner = None  # its cache and graphs go before the eager one
-    eager = make_runner(model, shape, tp, slots=rows + 8, max_seq=1024, cuda_graphs=False)
+    eager = make_runner(model, shape, tp, slots=rows + 3, max_seq=1024, cuda_graphs=False)
     fill_context(eager, rows, ctx_len)
     for name, step in (
         ("decode", Step(**dec)),
