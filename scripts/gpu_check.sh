@@ -118,7 +118,7 @@ tune8-decode)  # int8 launches of 1-64 rows and the 512-row bucket (the H100 had
     cp "$table" "$RES/" ;;
 mixed-profile)  # where a served mixed step's time goes (the engine in-process, unique mix)
     TAIL=60 stage mixed-profile "${PROFILE_TIME:-300}" python3 -m mpinfer.tools.diag.mixed_step \
-        --seconds "${SUSTAIN:-20}" --out "$RES/mixed-profile.json" ;;
+        --seconds "${SUSTAIN:-20}" --prefill "${PREFILL:-512}" --out "$RES/mixed-profile.json" ;;
 kernel-tests) TAIL=15 stage gpu-tests-kernels "$(left)" gpu_tests -k "linear or family" ;;
 tests) TAIL=15 stage gpu-tests "$(left)" gpu_tests ;;
 serve)

@@ -8,7 +8,8 @@
    it, and the host's time to plan and launch it and to read its results. Summed by bucket.
 2. Synthetic steps of 32 decode rows (context 512) and one prompt chunk, up to 512 tokens: the
    forward's GPU time, replayed from the step graphs; the decode step again over scattered
-   blocks (a served pool's tables).
+   blocks (a served pool's tables). With --prefill, the closed loop first runs at each other
+   prompt-token budget a step (rate, TTFT and ITL of its steady window).
 3. The kernels of the decode step and of a 100-token step (eager, the same launches the graph
    holds), by family.
 Writes JSON with --out.
@@ -85,15 +86,19 @@ def drive(engine: Engine, tok, clients: int, seconds: float) -> dict:
     work = [(tok.encode(p).ids, n) for p, n in loadgen.mixed_requests(20_000, 0)]
     done: queue.Queue = queue.Queue()
     tokens_at: list[float] = []
+    reqs: list[list[float]] = []  # per request: its submit time, then each token's
 
     def submit(i: int) -> None:
         ids, n = work[i]
         ids = ids[: runner.max_seq - n]  # a small vocabulary's tokenizer makes longer prompts
         params = SamplingParams(max_new_tokens=n, ignore_eos=True, seed=i)
+        times = [time.perf_counter()]
+        reqs.append(times)
 
-        def sink(ev, i=i):
+        def sink(ev, times=times):
             if ev.kind == "token":
                 tokens_at.append(time.perf_counter())
+                times.append(tokens_at[-1])
             elif ev.kind in ("done", "error"):
                 done.put(ev.kind)
 
@@ -136,8 +141,12 @@ def drive(engine: Engine, tok, clients: int, seconds: float) -> dict:
     # rows (decode rows and prompts' last chunks)
     prompt = sum(r["tokens"] - r["decode"] for r in rows)
     out = sum(r["sampled"] for r in rows)
+    ttft = [t[1] - t[0] for t in reqs if len(t) > 1 and lo <= t[0] <= end]
+    itl = [b - a for t in reqs for a, b in zip(t[1:], t[2:]) if lo <= a and b <= end]
+    lat = {f"{k}_ms_p{q}": 1e3 * (loadgen.pct(v, q / 100) or 0)
+           for k, v in (("ttft", ttft), ("itl", itl)) for q in (50, 99)}  # fmt: skip
     return {"steady_tok_per_s": steady, "requests": sent, "steps": rows,
-            "prompt_per_output": prompt / max(1, out)}  # fmt: skip
+            "prompt_per_output": prompt / max(1, out), **lat}  # fmt: skip
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -196,6 +205,11 @@ def main() -> None:
     ap.add_argument("--quant", default="int8")
     ap.add_argument("--seconds", type=float, default=20)
     ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument(
+        "--prefill",
+        default="512",
+        help="comma list of the engine's prompt-token budgets a step, one run each",
+    )
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     model, shape, tp = build_random(a.shape, a.quant)
@@ -204,9 +218,17 @@ def main() -> None:
     tok = load_tokenizer(tokdir)
     ctx = DistContext(0, 1, 0, torch.device("cuda"), None, None)
     runner = make_runner(model, shape, tp, slots=a.clients, max_seq=2048, num_blocks=2048)
-    engine = Engine(runner, ctx, tok, max_queue=4096)
-    engine.warm_up()
     result = {"shape": a.shape, "quant": a.quant, "gpu": torch.cuda.get_device_name()}
+    budgets = [int(v) for v in a.prefill.split(",")]
+    for budget in budgets[1:]:  # the first budget's run is the detailed one, below
+        engine = Engine(runner, ctx, tok, max_queue=4096, max_prefill_tokens=budget)
+        engine.warm_up()
+        got = drive(engine, tok, a.clients, a.seconds)
+        del got["steps"]
+        result[f"prefill_{budget}"] = got
+        print(f"prompt budget {budget}: " + json.dumps({k: round(v, 2) for k, v in got.items()}))
+    engine = Engine(runner, ctx, tok, max_queue=4096, max_prefill_tokens=budgets[0])
+    engine.warm_up()
     result.update(drive(engine, tok, a.clients, a.seconds))
     result["by_bucket"] = summarize(result["steps"])
     rows = result["steps"]
@@ -216,7 +238,9 @@ def main() -> None:
         f"{result['steady_tok_per_s']:.0f} tok/s, {len(rows)} steps; GPU forward "
         f"{sum(r['forward_ms'] for r in rows) / wall:.0%}, sampler "
         f"{sum(r['sample_ms'] for r in rows) / wall:.0%}, idle gaps "
-        f"{sum(r.get('gap_ms', 0) for r in rows) / wall:.0%} of the GPU timeline"
+        f"{sum(r.get('gap_ms', 0) for r in rows) / wall:.0%} of the GPU timeline; prompt "
+        f"budget {budgets[0]}; TTFT p50/p99 {result['ttft_ms_p50']:.0f}/{result['ttft_ms_p99']:.0f}"
+        f" ms, ITL p50/p99 {result['itl_ms_p50']:.1f}/{result['itl_ms_p99']:.1f} ms (steady)"
     )
     print(
         f"{'bucket':>6}{'steps':>7}{'tokens':>8}{'decode':>8}{'ctx':>6}{'fwd ms':>8}{'samp ms':>8}"
