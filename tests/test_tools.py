@@ -203,3 +203,29 @@ def test_the_steady_rate_counts_only_the_tokens_inside_its_window():
         inside += per_chunk * sum(lo <= t < hi for t in times)
     assert steady_rate(results, lo, hi) == pytest.approx(inside / (hi - lo))
     assert steady_rate(results, hi, lo) is None
+
+
+def test_the_steady_latencies_leave_out_the_ramp_queue():
+    """Steady TTFT counts the requests sent inside the window, steady gaps the gaps with both
+    ends inside it: a ramp request that waited long, or a gap across the window's edge, does
+    not count; percentiles are those of the kept values."""
+    import random
+
+    from mpinfer.tools.loadgen import pct, steady_latency
+
+    rng = random.Random()
+    lo, hi = 10.0, 10.0 + rng.uniform(5, 20)
+    results, ttft, gaps = [{"error": "HTTP 503"}], [], []
+    for _ in range(rng.randint(5, 40)):
+        start = rng.uniform(0, hi + 5)
+        times = sorted(start + rng.uniform(0.01, 8) for _ in range(rng.randint(1, 30)))
+        results.append({"start": start, "times": times, "output_tokens": len(times)})
+        if lo <= start < hi:
+            ttft.append((times[0] - start) * 1e3)
+        gaps += [(b - a) * 1e3 for a, b in zip(times, times[1:]) if lo <= a and b < hi]
+    got = steady_latency(results, lo, hi)
+    assert got["steady_ttft_ms_p99"] == pct(ttft, 0.99)
+    assert got["steady_ttft_ms_p50"] == pct(ttft, 0.5)
+    assert got["steady_itl_ms_p99"] == pct(gaps, 0.99)
+    before = {"start": lo - 1, "times": [hi - 0.5], "output_tokens": 1}  # a ramp request
+    assert steady_latency([*results, before], lo, hi) == got

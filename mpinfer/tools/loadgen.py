@@ -157,6 +157,18 @@ def steady_rate(results: list[dict], lo: float, hi: float) -> float | None:
     return tokens / (hi - lo)
 
 
+def steady_latency(results: list[dict], lo: float, hi: float) -> dict:
+    """TTFT of the requests sent between the clock times `lo` and `hi`, and the inter-token
+    gaps with both ends in that window (ms, p50 and p99): the latencies of the steady state,
+    without the ramp's queue (a closed loop's first requests all arrive at once)."""
+    ok = [r for r in results if r.get("times")]
+    ttft = [(r["times"][0] - r["start"]) * 1e3 for r in ok if lo <= r["start"] < hi]
+    gaps = [(b - a) * 1e3 for r in ok for a, b in zip(r["times"], r["times"][1:])
+            if lo <= a and b < hi]  # fmt: skip
+    return {"steady_ttft_ms_p50": pct(ttft, 0.5), "steady_ttft_ms_p99": pct(ttft, 0.99),
+            "steady_itl_ms_p50": pct(gaps, 0.5), "steady_itl_ms_p99": pct(gaps, 0.99)}  # fmt: skip
+
+
 def summarize(results: list[dict], wall: float) -> dict:
     """A phase's figures; inter-token gaps are between streamed chunks (a token whose text is
     still incomplete rides in the next chunk)."""
@@ -185,7 +197,8 @@ async def closed_loop(url: str, clients: int, seconds: float, seed: int = 0, *,
     """`clients` clients each sending the mix's next request (or `work`'s) as soon as its last
     one ended; requests still running at the end are waited for, and counted (the wall time
     covers them). `steady_tok_per_s`: the rate over the last three quarters of the `seconds`,
-    when every client has a request in flight (steady_rate)."""
+    when every client has a request in flight (steady_rate); `steady_*_ms_*` the latencies of
+    that window (steady_latency)."""
     import aiohttp
 
     work = work or mixed_requests(100_000, seed)
@@ -213,6 +226,7 @@ async def closed_loop(url: str, clients: int, seconds: float, seed: int = 0, *,
         "clients": clients,
         **summarize(results, wall),
         "steady_tok_per_s": steady_rate(results, t0 + seconds / 4, stop_at),
+        **steady_latency(results, t0 + seconds / 4, stop_at),
         "prefix_hit_rate": hit_rate(counters, prefix_counters(url)),
         **gpu.summary(),
     }
@@ -258,11 +272,13 @@ def phase_row(name: str, p: dict, ideal: float | None) -> list:
     return [name, f"{p['tok_per_s']:.0f}", f(p.get("steady_tok_per_s"), ".0f"),
             f(ideal and p["tok_per_s"] / ideal, ".2f"),
             f(p.get("prefix_hit_rate"), ".2f"),
-            f(p["ttft_ms_p50"], ".0f"), f(p["ttft_ms_p99"], ".0f"), f(p["itl_ms_p50"], ".1f"),
-            f(p["itl_ms_p99"], ".1f"), f"{p['prompt_per_output']:.2f}",
-            f(p["gpu_util_pct"], ".0f"), f(p["gpu_mem_gib"], ".1f"), p["errors"]]  # fmt: skip
+            f(p["ttft_ms_p50"], ".0f"), f(p["ttft_ms_p99"], ".0f"),
+            f(p.get("steady_ttft_ms_p99"), ".0f"), f(p["itl_ms_p50"], ".1f"),
+            f(p["itl_ms_p99"], ".1f"), f(p.get("steady_itl_ms_p99"), ".1f"),
+            f"{p['prompt_per_output']:.2f}", f(p["gpu_util_pct"], ".0f"),
+            f(p["gpu_mem_gib"], ".1f"), p["errors"]]  # fmt: skip
 
 
 PHASE_HEADER = ["load", "output tok/s", "steady tok/s", "/ ideal", "prefix hit rate",
-                "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "prompt/output",
-                "GPU util %", "GPU GiB", "errors"]  # fmt: skip
+                "TTFT p50 ms", "TTFT p99 ms", "steady TTFT p99", "ITL p50 ms", "ITL p99 ms",
+                "steady ITL p99", "prompt/output", "GPU util %", "GPU GiB", "errors"]  # fmt: skip
