@@ -117,8 +117,10 @@ tune8-decode)  # int8 launches of 1-64 rows and the 512-row bucket (the H100 had
         --out "$RES/tune-int8-decode.json"
     cp "$table" "$RES/" ;;
 mixed-profile)  # where a served mixed step's time goes (the engine in-process, unique mix)
-    TAIL=60 stage mixed-profile "${PROFILE_TIME:-300}" python3 -m mpinfer.tools.diag.mixed_step \
-        --seconds "${SUSTAIN:-20}" --prefill "${PREFILL:-512}" --out "$RES/mixed-profile.json" ;;
+    TAIL=60 stage "mixed-profile${PROFILE_ARGS:+-kv8}" "${PROFILE_TIME:-300}" \
+        python3 -m mpinfer.tools.diag.mixed_step \
+        --seconds "${SUSTAIN:-20}" --prefill "${PREFILL:-512}" ${PROFILE_ARGS:-} \
+        --out "$RES/mixed-profile${PROFILE_ARGS:+-kv8}.json" ;;
 kernel-tests) TAIL=15 stage gpu-tests-kernels "$(left)" gpu_tests -k "linear or family" ;;
 tests) TAIL=15 stage gpu-tests "$(left)" gpu_tests ;;
 serve)

@@ -210,6 +210,7 @@ def main() -> None:
         default="512",
         help="comma list of the engine's prompt-token budgets a step, one run each",
     )
+    ap.add_argument("--kv-int8", action="store_true", help="int8 keys and values")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     model, shape, tp = build_random(a.shape, a.quant)
@@ -217,8 +218,10 @@ def main() -> None:
     make_tiny(tokdir, layers=1, hidden=64, heads=4, vocab=shape.vocab_size, shards=1)
     tok = load_tokenizer(tokdir)
     ctx = DistContext(0, 1, 0, torch.device("cuda"), None, None)
-    runner = make_runner(model, shape, tp, slots=a.clients, max_seq=2048, num_blocks=2048)
-    result = {"shape": a.shape, "quant": a.quant, "gpu": torch.cuda.get_device_name()}
+    runner = make_runner(model, shape, tp, slots=a.clients, max_seq=2048, num_blocks=2048,
+                         kv_int8=a.kv_int8)  # fmt: skip
+    result = {"shape": a.shape, "quant": a.quant, "gpu": torch.cuda.get_device_name(),
+              "kv": "int8" if a.kv_int8 else "model dtype"}  # fmt: skip
     budgets = [int(v) for v in a.prefill.split(",")]
     for budget in budgets[1:]:  # the first budget's run is the detailed one, below
         engine = Engine(runner, ctx, tok, max_queue=4096, max_prefill_tokens=budget)
@@ -254,7 +257,7 @@ def main() -> None:
         )
     del engine
     ctx_len, rows = 512, a.clients  # about the served decode rows' context (the table's ctx)
-    runner = make_runner(model, shape, tp, slots=rows + 3, max_seq=1088)
+    runner = make_runner(model, shape, tp, slots=rows + 3, max_seq=1088, kv_int8=a.kv_int8)
     fill_context(runner, rows, ctx_len)
     dec = dict(decode_slots=tuple(range(rows)), decode_pos=(ctx_len,) * rows)
     synth = {}
@@ -286,7 +289,8 @@ def main() -> None:
         "replay, ms): " + ", ".join(f"{k} tok {v:.2f}" for k, v in synth.items())
     )
     runner = None  # its cache and graphs go before the eager one
-    eager = make_runner(model, shape, tp, slots=rows + 3, max_seq=1024, cuda_graphs=False)
+    eager = make_runner(model, shape, tp, slots=rows + 3, max_seq=1024, cuda_graphs=False,
+                        kv_int8=a.kv_int8)  # fmt: skip
     fill_context(eager, rows, ctx_len)
     for name, step in (
         ("decode", Step(**dec)),
