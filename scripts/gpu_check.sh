@@ -127,7 +127,8 @@ serve)
     TAIL=40 stage serve 300 bench serve --gpu --workdir /tmp/mb --out "$RES/serve-gpu.json" ;;
 budget)
     TAIL=30 stage budget "${BUDGET_TIME:-330}" bench budget --workdir /tmp/mb \
-        --seconds "${SUSTAIN:-25}" --out "$RES/budget.json" ;;
+        --budgets "${BUDGETS:-24GiB,12GiB,6GiB,6GiB-twin,int4}" --seconds "${SUSTAIN:-25}" \
+        --out "$RES/budget.json" ;;
 tune4)
     rows=1,16,32,64,128,256,512,576
     TAIL=4 stage tune-int4 120 bench kernels --tune "$table" --quant int4 --rows $rows \
