@@ -24,6 +24,7 @@
 #   tune8-decode  re-tune the int8 launches of 1-64 rows and of the 512-row bucket
 #   mixed-profile  the engine in-process under the unique mix: each step's GPU time, idle gaps
 #             and host time by bucket; synthetic mixed steps; one 100-token step's kernels
+#   dequant-ab  the same loop with launches past 256 rows dequantizing (shipped) or in registers
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
 #   final     budget, int4, int4-176b, kernels, then the GPU tests
@@ -121,6 +122,11 @@ mixed-profile)  # where a served mixed step's time goes (the engine in-process, 
         python3 -m mpinfer.tools.diag.mixed_step \
         --seconds "${SUSTAIN:-20}" --prefill "${PREFILL:-512}" ${PROFILE_ARGS:-} \
         --out "$RES/mixed-profile${PROFILE_ARGS:+-kv8}.json" ;;
+dequant-ab)  # the served mix with steps past 256 rows dequantizing (shipped) or in registers
+    for rows in 0 1024; do
+        TAIL=9 stage "dequant-ab-$rows" 150 python3 -m mpinfer.tools.diag.mixed_step --quick \
+            --seconds "${SUSTAIN:-20}" --dequant-rows $rows --out "$RES/dequant-ab-$rows.json"
+    done ;;
 kernel-tests) TAIL=15 stage gpu-tests-kernels "$(left)" gpu_tests -k "linear or family" ;;
 tests) TAIL=15 stage gpu-tests "$(left)" gpu_tests ;;
 serve)

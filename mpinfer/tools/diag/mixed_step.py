@@ -33,6 +33,7 @@ from ...dist import DistContext
 from ...engine.engine import Engine
 from ...engine.sampling import SamplingParams
 from ...engine.step import Prefill, Step
+from ...model import kernels
 from ...startup.runtime import load_tokenizer
 from .. import loadgen
 from ..randmodel import build_random, fill_context, make_runner
@@ -211,8 +212,17 @@ def main() -> None:
         help="comma list of the engine's prompt-token budgets a step, one run each",
     )
     ap.add_argument("--kv-int8", action="store_true", help="int8 keys and values")
+    ap.add_argument(
+        "--dequant-rows",
+        type=int,
+        default=0,
+        help="launches of more rows dequantize their weight (0: the shipped kernels.DEQUANT_ROWS)",
+    )
+    ap.add_argument("--quick", action="store_true", help="the closed loop only")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
+    if a.dequant_rows:
+        kernels.DEQUANT_ROWS = a.dequant_rows
     model, shape, tp = build_random(a.shape, a.quant)
     tokdir = tempfile.mkdtemp()
     make_tiny(tokdir, layers=1, hidden=64, heads=4, vocab=shape.vocab_size, shards=1)
@@ -221,7 +231,8 @@ def main() -> None:
     runner = make_runner(model, shape, tp, slots=a.clients, max_seq=2048, num_blocks=2048,
                          kv_int8=a.kv_int8)  # fmt: skip
     result = {"shape": a.shape, "quant": a.quant, "gpu": torch.cuda.get_device_name(),
-              "kv": "int8" if a.kv_int8 else "model dtype"}  # fmt: skip
+              "kv": "int8" if a.kv_int8 else "model dtype",
+              "dequant_rows": kernels.DEQUANT_ROWS}  # fmt: skip
     budgets = [int(v) for v in a.prefill.split(",")]
     for budget in budgets[1:]:  # the first budget's run is the detailed one, below
         engine = Engine(runner, ctx, tok, max_queue=4096, max_prefill_tokens=budget)
@@ -256,6 +267,8 @@ def main() -> None:
             f"{s['launch_ms']:>8.2f}{s['complete_ms']:>9.2f}"
         )
     del engine
+    if a.quick:
+        return save(result, a.out)
     ctx_len, rows = 512, a.clients  # about the served decode rows' context (the table's ctx)
     runner = make_runner(model, shape, tp, slots=rows + 3, max_seq=1088, kv_int8=a.kv_int8)
     fill_context(runner, rows, ctx_len)
@@ -306,8 +319,12 @@ def main() -> None:
             print(f"  {f:<22}{us:10.0f}")
         for r in top[:12]:
             print(f"  {r['us']:9.0f} us {r['calls']:4d}x  {r['kernel']}")
-    if a.out:
-        with open(a.out, "w") as fh:
+    save(result, a.out)
+
+
+def save(result: dict, out: str) -> None:
+    if out:
+        with open(out, "w") as fh:
             json.dump(result, fh, default=str)
 
 
