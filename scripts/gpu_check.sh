@@ -125,7 +125,8 @@ mixed-profile)  # where a served mixed step's time goes (the engine in-process, 
 dequant-ab)  # the served mix with steps past 256 rows dequantizing (shipped) or in registers
     for rows in 0 1024; do
         TAIL=9 stage "dequant-ab-$rows" 150 python3 -m mpinfer.tools.diag.mixed_step --quick \
-            --seconds "${SUSTAIN:-20}" --dequant-rows $rows --out "$RES/dequant-ab-$rows.json"
+            --seconds "${SUSTAIN:-20}" --prefill "${PREFILL:-512}" --dequant-rows $rows \
+            --out "$RES/dequant-ab-$rows.json"
     done ;;
 kernel-tests) TAIL=15 stage gpu-tests-kernels "$(left)" gpu_tests -k "linear or family" ;;
 tests) TAIL=15 stage gpu-tests "$(left)" gpu_tests ;;
