@@ -23,7 +23,8 @@
 #             (OFFLOAD_SECONDS of 128 clients) and its resident twin
 #   tune8-decode  re-tune the int8 launches of 1-64 rows and of the 512-row bucket
 #   mixed-profile  the engine in-process under the unique mix: each step's GPU time, idle gaps
-#             and host time by bucket; synthetic mixed steps; one 100-token step's kernels
+#             and host time by bucket; synthetic mixed steps; a decode and a 100-token step's
+#             kernels (PREFILL: prompt budgets to compare; PROFILE_ARGS=--kv-int8: int8 KV)
 #   dequant-ab  the same loop with launches past 256 rows dequantizing (shipped) or in registers
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
