@@ -12,6 +12,8 @@
    prompt-token budget a step (rate, TTFT and ITL of its steady window).
 3. The kernels of the decode step and of a 100-token step (eager, the same launches the graph
    holds), by family.
+--kv-int8 runs it all over an int8 KV cache; --dequant-rows N moves the row count past which a
+launch dequantizes its weight (kernels.DEQUANT_ROWS); --quick stops after the closed loop.
 Writes JSON with --out.
 """
 
