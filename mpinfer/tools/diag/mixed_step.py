@@ -88,7 +88,6 @@ def drive(engine: Engine, tok, clients: int, seconds: float) -> dict:
     runner.execute = timed_execute
     work = [(tok.encode(p).ids, n) for p, n in loadgen.mixed_requests(20_000, 0)]
     done: queue.Queue = queue.Queue()
-    tokens_at: list[float] = []
     reqs: list[list[float]] = []  # per request: its submit time, then each token's
 
     def submit(i: int) -> None:
@@ -100,8 +99,7 @@ def drive(engine: Engine, tok, clients: int, seconds: float) -> dict:
 
         def sink(ev, times=times):
             if ev.kind == "token":
-                tokens_at.append(time.perf_counter())
-                times.append(tokens_at[-1])
+                times.append(time.perf_counter())
             elif ev.kind in ("done", "error"):
                 done.put(ev.kind)
 
@@ -127,7 +125,6 @@ def drive(engine: Engine, tok, clients: int, seconds: float) -> dict:
     engine._launch_next, runner.execute, engine._complete = launch, execute, complete
     torch.cuda.synchronize()
     lo = t0 + seconds / 4  # past the ramp
-    steady = sum(lo <= t <= end for t in tokens_at) / (end - lo)
     rows = []
     for i, r in enumerate(steps):
         if "end" not in r or r["t0"] < lo or r["t0"] > end:
@@ -144,12 +141,11 @@ def drive(engine: Engine, tok, clients: int, seconds: float) -> dict:
     # rows (decode rows and prompts' last chunks)
     prompt = sum(r["tokens"] - r["decode"] for r in rows)
     out = sum(r["sampled"] for r in rows)
-    ttft = [t[1] - t[0] for t in reqs if len(t) > 1 and lo <= t[0] <= end]
-    itl = [b - a for t in reqs for a, b in zip(t[1:], t[2:]) if lo <= a and b <= end]
-    lat = {f"{k}_ms_p{q}": 1e3 * (loadgen.pct(v, q / 100) or 0)
-           for k, v in (("ttft", ttft), ("itl", itl)) for q in (50, 99)}  # fmt: skip
-    return {"steady_tok_per_s": steady, "requests": sent, "steps": rows,
-            "prompt_per_output": prompt / max(1, out), **lat}  # fmt: skip
+    # the load generator's steady figures, over this loop's requests (a token an event)
+    results = [{"start": t[0], "times": t[1:], "output_tokens": len(t) - 1} for t in reqs]
+    return {"steady_tok_per_s": loadgen.steady_rate(results, lo, end), "requests": sent,
+            "steps": rows, "prompt_per_output": prompt / max(1, out),
+            **loadgen.steady_latency(results, lo, end)}  # fmt: skip
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -242,7 +238,10 @@ def main() -> None:
         got = drive(engine, tok, a.clients, a.seconds)
         del got["steps"]
         result[f"prefill_{budget}"] = got
-        print(f"prompt budget {budget}: " + json.dumps({k: round(v, 2) for k, v in got.items()}))
+        print(
+            f"prompt budget {budget}: "
+            + json.dumps({k: v if v is None else round(v, 2) for k, v in got.items()})
+        )
     engine = Engine(runner, ctx, tok, max_queue=4096, max_prefill_tokens=budgets[0])
     engine.warm_up()
     result.update(drive(engine, tok, a.clients, a.seconds))
@@ -255,8 +254,9 @@ def main() -> None:
         f"{sum(r['forward_ms'] for r in rows) / wall:.0%}, sampler "
         f"{sum(r['sample_ms'] for r in rows) / wall:.0%}, idle gaps "
         f"{sum(r.get('gap_ms', 0) for r in rows) / wall:.0%} of the GPU timeline; prompt "
-        f"budget {budgets[0]}; TTFT p50/p99 {result['ttft_ms_p50']:.0f}/{result['ttft_ms_p99']:.0f}"
-        f" ms, ITL p50/p99 {result['itl_ms_p50']:.1f}/{result['itl_ms_p99']:.1f} ms (steady)"
+        f"budget {budgets[0]}; TTFT p50/p99 {result['steady_ttft_ms_p50']:.0f}/"
+        f"{result['steady_ttft_ms_p99']:.0f} ms, ITL p50/p99 {result['steady_itl_ms_p50']:.1f}/"
+        f"{result['steady_itl_ms_p99']:.1f} ms (steady)"
     )
     print(
         f"{'bucket':>6}{'steps':>7}{'tokens':>8}{'decode':>8}{'ctx':>6}{'fwd ms':>8}{'samp ms':>8}"
