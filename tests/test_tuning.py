@@ -32,13 +32,16 @@ def test_every_sweep_config_name_round_trips():
         assert tuning.name(kw, warps, stages) == n
     bf16 = tuning.names(tuning.SWEEP_FAMILIES, (1,), "bfloat16")
     assert {n.split()[5] for n in bf16} == {"magic0", "magic2"}  # the Triton-op trick is fp16 only
-    assert {n.split()[5] for n in all_names} == {f"magic{m}" for m in range(6)}
+    assert {n.split()[5] for n in all_names} == {f"magic{m}" for m in range(7)}
     int4 = tuning.names(tuning.INT4_FAMILIES, (1,), "bfloat16", bits=4, group=64)
     assert {n.split()[5] for n in int4} == {"magic0", "magic2", "magic3", "magic4", "magic5"}
     # the fp32 mantissa trick is the one-row int4 loop's alone, and int8 never sweeps it
     assert all(n.startswith("fma") for n in int4 if n.split()[5] in ("magic3", "magic4", "magic5"))
     int8 = tuning.names(tuning.SWEEP_FAMILIES + tuning.TILED_FAMILIES, (1,), "float16")
-    assert {n.split()[5] for n in int8} == {"magic0", "magic1", "magic2"}
+    assert {n.split()[5] for n in int8} == {"magic0", "magic1", "magic2", "magic6"}
+    # int8's pair conversion is the swap loop's alone, and fp16's
+    assert all(n.startswith("swap") for n in int8 if n.split()[5] == "magic6")
+    assert "magic6" not in {n.split()[5] for n in bf16}
     assert {n.split()[2] for n in int4} == {"k64"}
     assert tuning.parse("swap n128 k64 split1 pf0 magic2 w8 s3 m128")[0]["BLOCK_M"] == 128
 
@@ -71,6 +74,10 @@ def test_a_bad_config_name_is_refused_by_name(bad):
      ("fma n16 k128 split1 pf0 magic2 w4 s3", 1, 4096, 4096, "bfloat16", 4, None),
      ("fma n64 k128 split4 pf0 magic4 w4 s3", 1, 4096, 4096, "bfloat16", 4, None),
      ("fma n64 k128 split4 pf0 magic3 w4 s3", 1, 4096, 4096, "float16", 8, "are int4's"),
+     ("dot n64 k128 split1 pf0 magic6 w4 s3", 16, 4096, 4096, "float16", 8, "swap loop"),
+     ("swap n64 k128 split1 pf0 magic6 w4 s4", 16, 4096, 4096, "bfloat16", 8, "from int8 only"),
+     ("swap n64 k128 split1 pf0 magic6 w4 s4", 16, 4096, 4096, "float16", 4, "from int8 only"),
+     ("swap n128 k64 split1 pf0 magic6 w8 s3 m256", 512, 4096, 4096, "float16", 8, None),
      ("dot n64 k128 split4 pf0 magic4 w4 s3", 16, 4096, 4096, "float16", 4, "one-row loop"),
      ("swap n64 k128 split1 pf0 magic2 w4 s4", 16, 4096, 4096, "float16", 4, "not repeatable"),
      ("dot n64 k128 split4 pf0 magic2 w4 s3", 1, 4096, 4096, "float16", 4, None),
@@ -164,28 +171,30 @@ def test_every_shipped_table_is_runnable_and_covered_by_the_gpu_tests():
 
 
 def test_lookup_uses_the_table_of_the_gpu_it_runs_on(tmp_path, monkeypatch):
-    table = {"gpu": "Some GPU 80GB", "configs": {
+    table = {"gpu": "Some GPU 80GB", "dequant_rows": 512, "configs": {
         "float16 m1 4096x4096": "fma n8 k512 split1 pf1 magic1 w4 s1",
         "float16 m16 4096x4096": "dot n64 k128 split4 pf0 magic1 w4 s3",
         "bfloat16 m16 4096x4096": "dot n64 k128 split4 pf0 magic1 w4 s3",  # illegal: bf16 magic
     }}  # fmt: skip
     (tmp_path / "some-gpu-80gb.json").write_text(json.dumps(table))
     monkeypatch.setattr(tuning, "TABLE_DIR", tmp_path)
-    tuning.table.cache_clear()
+    tuning._shipped.cache_clear()
     try:
         assert tuning.lookup("Some GPU 80GB", "float16", 1, 4096, 4096) == table["configs"][
             "float16 m1 4096x4096"]  # fmt: skip
         assert tuning.lookup("Some GPU 80GB", "float16", 9, 4096, 4096).startswith("dot n64")
         assert tuning.lookup("Some GPU 80GB", "float16", 17, 4096, 4096) is None  # not tuned
         assert tuning.lookup("Some GPU 80GB", "bfloat16", 9, 4096, 4096) is None  # cannot run
+        assert tuning.dequant_rows("Some GPU 80GB") == 512
         assert tuning.lookup("Some GPU", "float16", 1, 4096, 4096) is None  # another GPU
+        assert tuning.dequant_rows("Some GPU") is None
         # the same file name, but the table was measured on a GPU of another name
         assert tuning.lookup("Some GPU-80GB", "float16", 1, 4096, 4096) is None
         monkeypatch.setenv("MPINFER_TUNED", "0")
-        tuning.table.cache_clear()
+        tuning._shipped.cache_clear()
         assert tuning.lookup("Some GPU 80GB", "float16", 1, 4096, 4096) is None
     finally:
-        tuning.table.cache_clear()
+        tuning._shipped.cache_clear()
 
 
 @pytest.mark.parametrize("text, what", [
@@ -195,17 +204,18 @@ def test_lookup_uses_the_table_of_the_gpu_it_runs_on(tmp_path, monkeypatch):
     ('{"gpu": "Some GPU", "configs": {"float16 m1 4096x4096": "dot n64"}}',
      "not a kernel config name: 'dot n64'"),
     ('{"gpu": "Some GPU"}', "configs"),
+    ('{"gpu": "Some GPU", "configs": {}, "dequant_rows": 16}', "dequant_rows=16"),
 ])  # fmt: skip
 def test_a_broken_table_is_an_error_naming_the_file(tmp_path, monkeypatch, text, what):
     (tmp_path / "some-gpu.json").write_text(text)
     monkeypatch.setattr(tuning, "TABLE_DIR", tmp_path)
-    tuning.table.cache_clear()
+    tuning._shipped.cache_clear()
     try:
         with pytest.raises(ValueError, match="some-gpu.json: not a kernel config table") as e:
             tuning.lookup("Some GPU", "float16", 1, 4096, 4096)
         assert what in str(e.value)
     finally:
-        tuning.table.cache_clear()
+        tuning._shipped.cache_clear()
 
 
 def test_the_benchmarked_matmuls_are_the_loaders_shards_and_the_h200_table_covers_them():

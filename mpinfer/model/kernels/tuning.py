@@ -7,8 +7,9 @@ w4 s3" or, for launches of more than 64 rows, "swap n128 k64 split1 pf0 magic2 w
 loop (dot: tensor cores; swap: tensor cores with the weight tile as the left operand; fma: the
 one-row elementwise loop), BLOCK_N, BLOCK_K, split-K, PREFETCH, MAGIC (how a quantized weight
 becomes float: 0 the conversion unit via fp32, 1 the fp16 bit trick in Triton ops, fp16 only, 2
-the bit trick in packed PTX, int8 only), num_warps, num_stages, and BLOCK_M (the rows a program
-owns; without it, the row bucket's size: 16, 32 or 64).
+the bit trick in packed PTX, int8 only; 3-5 int4's one-row tricks, 6 int8's pairs in PTX for
+the swap loop), num_warps, num_stages, and BLOCK_M (the rows a program owns; without it, the
+row bucket's size: 16, 32 or 64).
 
 Both kernels (w8a16.py, w4a16.py) cover every row count a step can have with one family of
 loops: one row, tiles of up to 64 rows, and tiles of BLOCK_M rows repeated over the rows for
@@ -83,11 +84,11 @@ SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 INT4_SPLITS = (1, 2, 3, 4, 6, 8)
 TILED_SPLITS = (1, 2, 3, 4)
 # Conversions the tiled sweep tries (the few-row sweep tries all): per dtype, those that won
-# the tensor-core loops of the few-row sweep.
-TILED_MAGIC = {"float16": (1, 2), "bfloat16": (0, 2)}
+# the tensor-core loops of the few-row sweep, and for fp16 magic6 (the swap loop's pairs).
+TILED_MAGIC = {"float16": (1, 2, 6), "bfloat16": (0, 2)}
 
 _NAME = re.compile(
-    r"(dot|swap|fma) n(\d+) k(\d+) split(\d+) pf([01]) magic([0-5]) w(\d+) s(\d+)(?: m(\d+))?"
+    r"(dot|swap|fma) n(\d+) k(\d+) split(\d+) pf([01]) magic([0-6]) w(\d+) s(\d+)(?: m(\d+))?"
 )
 
 
@@ -123,9 +124,12 @@ def magics(dtype: str, bits: int = 8) -> tuple[int, ...]:
     packed PTX, makes any dtype for int8, and for int4 fp16 weights: any dtype in the one-row
     loop, fp16 only in the tensor-core loops, which `illegal` says; 3 and 4, int4's fp32
     mantissa trick in Triton ops and in PTX, and 5, the PTX one with the scale and offset applied
-    once per run of eight weights: the one-row loop only)."""
+    once per run of eight weights: the one-row loop only; 6, int8's packed PTX two weights a
+    call, fp16 in the swap loop only)."""
     base = (0, 1, 2) if dtype == "float16" else (0, 2)
-    return base + (3, 4, 5) if bits == 4 else base
+    if bits == 4:
+        return base + (3, 4, 5)
+    return base + (6,) if dtype == "float16" else base
 
 
 def names(families, splits, dtype: str, magic=None, *, bits: int = 8, group: int = 128
@@ -139,8 +143,10 @@ def names(families, splits, dtype: str, magic=None, *, bits: int = 8, group: int
             for m in magics(dtype, bits):
                 if loop == "fma" and bits == 4 and m == 1:
                     continue  # the one-row int4 loop runs magic1 as magic0
-                if m >= 3 and not (loop == "fma" and bits == 4):
+                if 3 <= m <= 5 and not (loop == "fma" and bits == 4):
                     continue  # the mantissa trick is the one-row int4 loop's alone
+                if m == 6 and loop != "swap":
+                    continue  # int8's pairs are the swap loop's fragment
                 if magic is None or m in magic:
                     out.append(name(dict(USE_DOT=int(loop != "fma"), SWAP=int(loop == "swap"),
                                          BLOCK_N=bn, BLOCK_K=bk, split_k=split, PREFETCH=pf,
@@ -196,10 +202,14 @@ def illegal(name_: str, rows: int, N: int, K: int, dtype: str, *, bits: int = 8,
     if kw["SWAP"] and rows == 1:
         return "swap is for several rows"
     if kw["MAGIC"] not in magics(dtype, bits):
+        if kw["MAGIC"] == 6:
+            return "magic6 (int8 pairs in PTX) makes fp16 from int8 only"
         if kw["MAGIC"] >= 3:
             return "magic3-5 (the fp32 mantissa trick) are int4's"
         return "magic1 (the Triton-op bit trick) makes fp16 only"
-    if kw["MAGIC"] >= 3 and kw["USE_DOT"]:
+    if kw["MAGIC"] == 6 and not kw["SWAP"]:
+        return "magic6 (int8 pairs in PTX) is for the swap loop"
+    if 3 <= kw["MAGIC"] <= 5 and kw["USE_DOT"]:
         return "magic3-5 (fp32 weights) are for the one-row loop"
     if bits == 4 and kw["MAGIC"] == 2 and kw["USE_DOT"] and dtype != "float16":
         return "int4's magic2 makes fp16 weights: the tensor-core loops need the activations' dtype"
@@ -276,10 +286,11 @@ _KEY = re.compile(r"(?:int4g(\d+) )?(float16|bfloat16) m(\d+) (\d+)x(\d+)")
 
 
 @functools.cache
-def table(gpu_name: str) -> dict[str, str]:
-    """The shipped table of this GPU (key -> config name), {} when there is none or when
-    MPINFER_TUNED=0 (a diagnostic switch: every launch gets `default_config`). A table that does
-    not parse is an error naming the file and the entry, not a silent fall-back."""
+def _shipped(gpu_name: str) -> dict:
+    """The shipped table file of this GPU, checked ({} when there is none, when it is another
+    GPU's, or when MPINFER_TUNED=0: a diagnostic switch, every launch gets `default_config`). A
+    table that does not parse is an error naming the file and the entry, not a silent
+    fall-back."""
     path = TABLE_DIR / f"{slug(gpu_name)}.json"
     if os.environ.get("MPINFER_TUNED", "1") == "0" or not path.exists():
         return {}
@@ -291,11 +302,23 @@ def table(gpu_name: str) -> dict[str, str]:
             if not m or int(m[3]) not in ROW_BUCKETS:
                 raise ValueError(f"bad key {k!r} (e.g. 'float16 m16 12288x4096')")
             parse(config)
+        rows = data.get("dequant_rows")
+        if rows is not None and not (isinstance(rows, int) and rows >= SINGLE_TILE):
+            raise ValueError(f"dequant_rows={rows!r} must be an integer >= {SINGLE_TILE}")
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a kernel config table: {e}") from None
-    if data.get("gpu") != gpu_name:
-        return {}
-    return configs
+    return data if data.get("gpu") == gpu_name else {}
+
+
+def table(gpu_name: str) -> dict[str, str]:
+    """The shipped table of this GPU (key -> config name); {} where `_shipped` has none."""
+    return dict(_shipped(gpu_name).get("configs", {}))
+
+
+def dequant_rows(gpu_name: str) -> int | None:
+    """Past how many rows this GPU's table has a launch dequantize its weight for cuBLAS
+    (kernels/__init__.py), where the table says (measured on that GPU); else None."""
+    return _shipped(gpu_name).get("dequant_rows")
 
 
 def lookup(gpu_name: str, dtype: str, rows: int, N: int, K: int, *, bits: int = 8,

@@ -27,6 +27,8 @@ the GPU's tuned table or the default rule (tuning.py):
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -79,10 +81,30 @@ prmt.b32 $1, f2, f3, 0x7632;
 }""")
 
 
+# MAGIC=6, two weights per call (fp16, the swap loop): there each thread's tensor-core fragment
+# holds its weights in pairs (two adjacent K positions), loaded two bytes at a time; four-at-a-
+# time conversion first packs two such pairs into one register, which in Triton 3.6's code for
+# that loop cost more instructions (byte moves) than the conversion itself. This one takes a
+# pair as it was loaded: 4 instructions per 2 weights, no packing.
+_S8X2_TO_F16 = tl.constexpr("""{
+.reg .b32 u, c;
+cvt.u32.u16 u, $1;
+xor.b32 u, u, 0x8080;
+prmt.b32 $0, u, 0x64646464, 0x4140;
+mov.b32 c, 0x64806480;
+sub.f16x2 $0, $0, c;
+}""")
+# Triton's interpreter (CPU tests) runs no PTX: there MAGIC 6 runs MAGIC 1's Triton ops.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
 @triton.jit
 def _to_compute(w, dtype: tl.constexpr, MAGIC: tl.constexpr):
     """An int8 tile as `dtype` (fp16, bf16, or fp32 for the one-row loop), by MAGIC's route."""
-    if MAGIC == 2:
+    if MAGIC == 6 and not INTERPRETED:
+        return tl.inline_asm_elementwise(_S8X2_TO_F16, "=r,h", [w], dtype=tl.float16,
+                                         is_pure=True, pack=2)  # fmt: skip
+    elif MAGIC == 2:
         if dtype == tl.float16:
             return tl.inline_asm_elementwise(_S8_TO_F16, "=r,=r,r", [w], dtype=tl.float16,
                                              is_pure=True, pack=4)  # fmt: skip
@@ -92,7 +114,7 @@ def _to_compute(w, dtype: tl.constexpr, MAGIC: tl.constexpr):
         else:
             return tl.inline_asm_elementwise(_S8_TO_F32, "=r,=r,=r,=r,r", [w], dtype=tl.float32,
                                              is_pure=True, pack=4)  # fmt: skip
-    elif MAGIC == 1:
+    elif MAGIC == 1 or MAGIC == 6:
         # The same fp16 trick in Triton's elementwise ops, one weight at a time (fp16 only): the
         # bytes of q + 128, OR-ed into the mantissa of 1024.0, are the fp16 number
         # 1024 + q + 128; subtract 1152.
@@ -118,8 +140,9 @@ def _w8a16(
     # The config's words (tuning.py has the names): USE_DOT, the tensor-core loop, else the
     # one-row elementwise loop; SWAP, the weight tile as the dot's left operand (several rows);
     # PREFETCH ("pf1"), the one-row loop loads the next tile before it converts this one; MAGIC
-    # ("magic0/1/2"), how int8 becomes float: 0 the conversion unit, 1 the fp16 bit trick in
-    # Triton ops, 2 the same trick in packed PTX (`_to_compute`); split_k, programs along K;
+    # ("magic0/1/2/6"), how int8 becomes float: 0 the conversion unit, 1 the fp16 bit trick in
+    # Triton ops, 2 the same trick in packed PTX, four weights a call, 6 two a call
+    # (`_to_compute`); split_k, programs along K;
     # BLOCK_M, the rows a program owns.
     pid_m = tl.program_id(0)  # row tiles fastest: they share each weight tile in L2
     pid_n = tl.program_id(1)
@@ -150,7 +173,10 @@ def _w8a16(
             else:
                 kw_ok = (k + tl.arange(0, BLOCK_K))[None, :] < k_hi
                 w = tl.load(w_ptrs, mask=n_ok & kw_ok, other=0)
-            xt = tl.load(xt_ptrs, mask=m_ok & k_ok, other=0.0)
+            if EVEN_K:  # every K tile is whole (splits are whole tiles): a row mask alone
+                xt = tl.load(xt_ptrs, mask=m_ok, other=0.0)
+            else:
+                xt = tl.load(xt_ptrs, mask=m_ok & k_ok, other=0.0)
             acc_t = tl.dot(_to_compute(w, cdt, MAGIC), xt, acc_t)  # (BLOCK_N, BLOCK_M)
             xt_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
@@ -173,7 +199,10 @@ def _w8a16(
                 w = tl.load(w_ptrs, mask=n_ok, other=0)
             else:
                 w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0)
-            x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)  # (BLOCK_M, BLOCK_K)
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=m_ok, other=0.0)  # (BLOCK_M, BLOCK_K)
+            else:
+                x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)
             acc = tl.dot(x, tl.trans(_to_compute(w, cdt, MAGIC)), acc)  # (BLOCK_M, BLOCK_N)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
