@@ -188,6 +188,32 @@ def test_step_buckets_cover_every_token_count_up_to_a_full_step():
             for n in range(1, slots + budget + 1):
                 bucket = next(b for b in buckets if b >= n)
                 assert bucket < 2 * n or bucket == 1
+    # Under server.max_step_tokens the full step is the cap (or, past it, the rows beside the
+    # smallest prompt budget a step keeps).
+    assert step_buckets(32, 512, max_step_tokens=512) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    assert step_buckets(64, 512, max_step_tokens=512)[-1] == 512
+    assert step_buckets(600, 512, max_step_tokens=512)[-1] == 616  # 600 rows + 16 prompt tokens
+
+
+def test_a_step_carries_at_most_max_step_tokens():
+    """steps.prompt_budget: what the decode rows leave of the cap, never more than the prompt
+    budget, never less than MIN_PROMPT_TOKENS (prompts progress beside any number of rows);
+    most_tokens is the largest step that allows, checked against every row count."""
+    from mpinfer.model.steps import MIN_PROMPT_TOKENS, most_tokens, prompt_budget
+
+    rng = random.Random(int.from_bytes(__import__("os").urandom(4), "little"))
+    for _ in range(200):
+        rows, slots = rng.randrange(0, 700), rng.randrange(1, 700)
+        prefill, cap = rng.randrange(1, 2000), rng.choice([0, rng.randrange(1, 1100)])
+        got = prompt_budget(rows, prefill, cap)
+        if cap == 0:
+            assert got == prefill
+        else:
+            assert got <= prefill and got >= min(prefill, MIN_PROMPT_TOKENS)
+            assert rows + got <= cap or got == min(prefill, MIN_PROMPT_TOKENS)
+        most = most_tokens(slots, prefill, cap)
+        assert most == max(r + prompt_budget(r, prefill, cap) for r in range(slots + 1))
+        assert cap == 0 or most <= max(cap, slots + MIN_PROMPT_TOKENS)
 
 
 def test_step_layout_puts_decode_rows_first_and_cuts_chunks_into_tiles():
@@ -302,15 +328,52 @@ def test_one_flat_forward_equals_separate_padded_forwards():
                 torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
-def _scheduler(hold: int = 0, budget: int = 64, rows: int = 4, blocks: int = 1000):
+def _scheduler(hold: int = 0, budget: int = 64, rows: int = 4, blocks: int = 1000,
+               cap: int = 0):  # fmt: skip
     """A Scheduler as the engine builds one, with no model, runner or sampler."""
     from mpinfer.engine.blocks import BlockManager
     from mpinfer.engine.request import Sequence
     from mpinfer.engine.scheduler import Scheduler
 
     return Scheduler(BlockManager(blocks, 16, blocks_per_row=16), rows=rows,
-                     max_prefill_tokens=budget, prefill_hold_steps=hold,
+                     max_prefill_tokens=budget, prefill_hold_steps=hold, max_step_tokens=cap,
                      new_sequence=lambda req: Sequence(req, -1, None))  # fmt: skip
+
+
+def test_the_scheduler_keeps_every_step_under_the_step_cap():
+    """With server.max_step_tokens, a step's prompt chunks fill what its decode rows leave of
+    the cap: random prompts arriving while others decode, every step within the cap (or the
+    rows beside the smallest chunk), and every prompt token scheduled exactly once."""
+    from mpinfer.model.steps import MIN_PROMPT_TOKENS
+
+    rng = random.Random(int.from_bytes(__import__("os").urandom(4), "little"))
+    rows, cap = rng.choice([(8, 40), (24, 32), (6, 100)])
+    sched = _scheduler(budget=64, rows=rows, cap=cap)
+    requests = [_request(rng.randrange(1, 90), max_new=rng.randrange(1, 12))
+                for _ in range(3 * rows)]  # fmt: skip
+    sched.pending.extend(requests)
+    scheduled = {id(r): 0 for r in requests}
+    for _ in range(2000):
+        if not sched.busy:
+            break
+        plan = sched.schedule()
+        sched.blocks.take_updates()  # what the engine's step message carries
+        decode = len(plan.step.decode_slots)
+        chunk = sum(len(p.tokens) for p in plan.step.prefills)
+        assert decode + chunk <= max(cap, decode + MIN_PROMPT_TOKENS), (decode, chunk)
+        assert chunk <= 64
+        for p in plan.step.prefills:
+            scheduled[id(sched.running[p.slot].req)] += len(p.tokens)
+        for seq, _ in plan.rows:
+            seq.result.token_ids.append(7)
+            if len(seq.result.token_ids) >= seq.req.params.max_new_tokens:
+                seq.done = True
+        for seq in [q for q in sched.running.values() if q.done]:
+            sched.leave(seq)
+    assert not sched.busy
+    # the prompts share their openings: what the prefix cache held was not scheduled again
+    cached = sched.blocks.cached_tokens
+    assert sum(scheduled.values()) + cached == sum(len(r.prompt_ids) for r in requests)
 
 
 def _request(prompt: int, max_new: int = 50):

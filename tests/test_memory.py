@@ -69,10 +69,15 @@ def test_workspace_counts_the_sampler_and_the_step_graphs():
     plan = plan_memory(shape_of("bloom-7b1"), cfg, tp_size=1, budget=80 * 2**30)
     v, h = 250880, 4096
     assert plan.items["sampler state"] == 48 * v * 5  # a bool and an int32 per slot and token
-    # The shared logits (a row per slot) and hidden states (the largest bucket's tokens, slots
-    # + the prompt budget), fp16; the pool: one decode step's activations.
+    # The shared logits (a row per slot) and hidden states (the largest bucket's tokens: the
+    # step cap, 512, where slots + the prompt budget would be 560), fp16; the pool: one decode
+    # step's activations.
+    assert plan.items["step graphs"] == (48 * v + 512 * h) * 2 + 48 * 16 * h * 4
+    uncapped = load_config(str(ROOT / "configs/bloom-7b1.toml"),
+                           ["server.max_batch_slots=48", "server.max_step_tokens=0"])  # fmt: skip
     most = 48 + cfg.server.max_prefill_tokens
-    assert plan.items["step graphs"] == (48 * v + most * h) * 2 + 48 * 16 * h * 4
+    assert plan_memory(shape_of("bloom-7b1"), uncapped, tp_size=1, budget=80 * 2**30).items[
+        "step graphs"] == (48 * v + most * h) * 2 + 48 * 16 * h * 4  # fmt: skip
     off = load_config(str(ROOT / "configs/bloom-7b1.toml"), ["server.cuda_graphs=false"])
     assert "step graphs" not in plan_memory(shape_of("bloom-7b1"), off, tp_size=1,
                                             budget=80 * 2**30).items  # fmt: skip

@@ -79,7 +79,8 @@ class Engine:
         self.scheduler = Scheduler(self._block_manager(), rows=runner.slots,
                                    max_prefill_tokens=max_prefill_tokens,
                                    new_sequence=lambda req: Sequence(req, -1, self.tok),
-                                   prefill_hold_steps=prefill_hold_steps)  # fmt: skip
+                                   prefill_hold_steps=prefill_hold_steps,
+                                   max_step_tokens=runner.max_step_tokens)  # fmt: skip
         self.cond = self.scheduler.cond  # the one lock of the queue and the rows
         self.steps = 0
         self.generated_tokens = 0

@@ -42,18 +42,20 @@ from ..model.bloom import LoadedModel, to_device
 from ..model.gpumem import free_device_bytes, process_gpu_bytes
 from ..model.kernels.tuning import CHUNK_TILE
 from ..model.memory import PROMPT_LOGPROB_ROWS, decode_buckets, fit_blocks
+from ..model.steps import most_tokens
 from .step import FIT, STEP, STOP, CacheFit, Prefill, Step, StepChannel
 
 log = logging.getLogger("mpinfer")
 
 
-def step_buckets(slots: int, max_prefill_tokens: int, rule: str = "auto") -> list[int]:
+def step_buckets(slots: int, max_prefill_tokens: int, rule: str = "auto",
+                 max_step_tokens: int = 0) -> list[int]:  # fmt: skip
     """Token counts with a captured step graph (server.step_buckets), every one up to one
-    step's most tokens (every slot decoding beside a full prompt budget), and that most:
-    "auto", the decode buckets (powers of two up to the slots, and the slots), then powers of
-    two; or a list "N,N,..." of token counts (a step past the largest runs eagerly at its own
-    size)."""
-    most = slots + max_prefill_tokens
+    step's most tokens (steps.most_tokens: decode rows beside a full prompt budget, under the
+    step cap), and that most: "auto", the decode buckets (powers of two up to the slots, and
+    the slots), then powers of two; or a list "N,N,..." of token counts (a step past the
+    largest runs eagerly at its own size)."""
+    most = most_tokens(slots, max_prefill_tokens, max_step_tokens)
     if rule != "auto":
         return sorted({b for b in map(int, rule.split(",")) if b < most} | {most})
     out = decode_buckets(slots)
@@ -153,17 +155,19 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, ctx: DistContext, *, slots: int, max_seq: int,
                  max_prefill_tokens: int = 512, cuda_graphs: bool = True, block_size: int = 16,
                  num_blocks: int | None = None, kv_int8: bool = False,
-                 fit: CacheFit | None = None, buckets: str = "auto"):  # fmt: skip
+                 fit: CacheFit | None = None, buckets: str = "auto",
+                 max_step_tokens: int = 0):  # fmt: skip
         """`slots` cache rows (sequences at once) over `num_blocks` blocks of `block_size`
         tokens (default: every row can reach max_seq at once, the static layout's memory);
         `kv_int8`: keys and values in int8 with a scale per token and head; `fit`: how
         `fit_cache` sizes the pool after warm-up (None: keep num_blocks); `buckets`: the step
-        graphs' token counts (step_buckets' rule)."""
+        graphs' token counts (step_buckets' rule); `max_step_tokens`: a step's tokens at most
+        (steps.py; 0: no cap), which the engine's scheduler keeps to."""
         self.fit, self.kv_int8 = fit, kv_int8
         self.loaded, self.ctx = loaded, ctx
         self.model, self.device = loaded.model, loaded.device
         self.slots, self.max_seq = slots, max_seq
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_tokens, self.max_step_tokens = max_prefill_tokens, max_step_tokens
         self.block_size = min(block_size, max_seq)
         self.blocks_per_row = -(-max_seq // self.block_size)
         self.num_blocks = num_blocks or slots * self.blocks_per_row
@@ -183,7 +187,8 @@ class ModelRunner:
         # On a GPU a step always runs a bucket's token count, captured or not, so both ways
         # launch the same kernels with the same shapes (CPU: exactly the step's tokens).
         is_gpu = self.device.type == "cuda"
-        self.buckets = step_buckets(slots, max_prefill_tokens, buckets) if is_gpu else []
+        self.buckets = (step_buckets(slots, max_prefill_tokens, buckets, max_step_tokens)
+                        if is_gpu else [])  # fmt: skip
         self.inputs = {b: StepInputs.allocate(b, slots, self.device) for b in self.buckets}
         h, v = loaded.shape.hidden_size, loaded.shape.vocab_size
         most = self.buckets[-1] if is_gpu else 0

@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..model.steps import prompt_budget
 from .blocks import BlockManager
 from .request import Request, Sequence, wants_token
 from .step import STEP, Prefill, Step
@@ -59,10 +60,11 @@ class StepPlan:
 class Scheduler:
     def __init__(self, blocks: BlockManager, *, rows: int, max_prefill_tokens: int,
                  new_sequence: Callable[[Request], Sequence],
-                 prefill_hold_steps: int = 0):  # fmt: skip
+                 prefill_hold_steps: int = 0, max_step_tokens: int = 0):  # fmt: skip
         self.blocks, self.new_sequence = blocks, new_sequence
         self.free = list(range(rows))
         self.max_prefill_tokens, self.prefill_hold_steps = max_prefill_tokens, prefill_hold_steps
+        self.max_step_tokens = max_step_tokens  # a step's tokens, decode rows included (steps.py)
         self.held = 0  # steps the waiting prompts have been held back (prefill_hold_steps)
         self.running: dict[int, Sequence] = {}
         self.preempted: list[Sequence] = []  # out of the cache, to be admitted again first
@@ -167,7 +169,8 @@ class Scheduler:
             plan.rows.append((s, s.scheduled))
             s.pos += 1
             s.scheduled += 1
-        prefills, budget = [], self.max_prefill_tokens
+        prefills = []
+        budget = prompt_budget(len(slots), self.max_prefill_tokens, self.max_step_tokens)
         # While rows decode, a prompt that would fill little of the budget may wait a few steps
         # for more to join it: each mixed step costs a pass at prefill speed, so fewer, fuller
         # ones serve the same prompts sooner overall (never when nothing decodes).

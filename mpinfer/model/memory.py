@@ -28,6 +28,7 @@ from .bloom import BloomShape
 from .kernels import DEQUANT_ROWS
 from .kernels.tuning import WORKSPACE_BYTES
 from .sharding import rank_entries, specs_for
+from .steps import most_tokens
 
 GIB = 2**30
 MIB = 2**20
@@ -204,8 +205,10 @@ def plan_memory(shape: BloomShape, cfg: RunConfig, *, tp_size: int, budget: int)
     h, v = shape.hidden_size, shape.vocab_size
     s = cfg.server
     slots = s.max_batch_slots
-    # A step of more than DEQUANT_ROWS tokens dequantizes one weight at a time (kernels/).
-    dequantized = largest * dtype_bytes if slots + s.max_prefill_tokens > DEQUANT_ROWS else 0
+    # A step of more than DEQUANT_ROWS tokens (a GPU's table may say more) dequantizes one weight
+    # at a time (kernels/): counted past the default, whatever the GPU.
+    most = most_tokens(slots, s.max_prefill_tokens, s.max_step_tokens)
+    dequantized = largest * dtype_bytes if most > DEQUANT_ROWS else 0
     workspace = (
         WORKSPACE_BYTES  # the in-register kernels' split-K partials
         + dequantized
@@ -229,7 +232,6 @@ def plan_memory(shape: BloomShape, cfg: RunConfig, *, tp_size: int, budget: int)
     if s.cuda_graphs:
         # Every bucket's graph leaves its hidden states and logits in two shared buffers; the
         # shared pool holds one step's activations.
-        most = slots + s.max_prefill_tokens
         items["step graphs"] = (slots * v + most * h) * dtype_bytes + slots * 16 * h * 4
     items["safety margin"] = memory_margin(cfg)
     act = torch.float32 if dtype_bytes == 4 else torch.float16

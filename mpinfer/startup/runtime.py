@@ -194,7 +194,7 @@ def prepare(cfg: RunConfig, ctx: DistContext, *, slots: int | None = None,
                        max_prefill_tokens=s.max_prefill_tokens, cuda_graphs=s.cuda_graphs,
                        block_size=s.kv_block_size, num_blocks=blocks,
                        kv_int8=s.kv_cache_dtype == "int8", fit=fit,
-                       buckets=s.step_buckets)  # fmt: skip
+                       buckets=s.step_buckets, max_step_tokens=s.max_step_tokens)  # fmt: skip
 
 
 def start(

@@ -131,6 +131,8 @@ def tune(shapes: dict, keys: list, l2_bytes: int, table_path: str, *, bits: int 
         old = json.loads(Path(table_path).read_text())
         if old.get("gpu") == gpu:
             table["configs"].update(old["configs"])
+            if "dequant_rows" in old:  # measured by the served mix, not by this sweep
+                table["dequant_rows"] = old["dequant_rows"]
     rows = []
     for shape, N, K, epi, M, dtype, dt, cands in plan:
         runnable = [c for c in cands if _variant(shape, K, epi, M, dt, c) not in broken]

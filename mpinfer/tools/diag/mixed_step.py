@@ -13,7 +13,9 @@
 3. The kernels of the decode step and of a 100-token step (eager, the same launches the graph
    holds), by family.
 --kv-int8 runs it all over an int8 KV cache; --dequant-rows N moves the row count past which a
-launch dequantizes its weight (kernels.DEQUANT_ROWS); --quick stops after the closed loop.
+launch dequantizes its weight (kernels.FORCE_DEQUANT_ROWS; default: the GPU's table, else
+kernels.DEQUANT_ROWS); --step-tokens caps a step's tokens (server.max_step_tokens, default 512;
+0: no cap); --quick stops after the closed loop.
 Writes JSON with --out.
 """
 
@@ -214,23 +216,25 @@ def main() -> None:
         "--dequant-rows",
         type=int,
         default=0,
-        help="launches of more rows dequantize their weight (0: the shipped kernels.DEQUANT_ROWS)",
+        help="launches of more rows dequantize their weight (0: as shipped for this GPU)",
     )
+    ap.add_argument("--step-tokens", type=int, default=512, help="a step's most tokens (0: no cap)")
     ap.add_argument("--quick", action="store_true", help="the closed loop only")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     if a.dequant_rows:
-        kernels.DEQUANT_ROWS = a.dequant_rows
+        kernels.FORCE_DEQUANT_ROWS = a.dequant_rows
     model, shape, tp = build_random(a.shape, a.quant)
     tokdir = tempfile.mkdtemp()
     make_tiny(tokdir, layers=1, hidden=64, heads=4, vocab=shape.vocab_size, shards=1)
     tok = load_tokenizer(tokdir)
     ctx = DistContext(0, 1, 0, torch.device("cuda"), None, None)
     runner = make_runner(model, shape, tp, slots=a.clients, max_seq=2048, num_blocks=2048,
-                         kv_int8=a.kv_int8)  # fmt: skip
+                         kv_int8=a.kv_int8, max_step_tokens=a.step_tokens)  # fmt: skip
     result = {"shape": a.shape, "quant": a.quant, "gpu": torch.cuda.get_device_name(),
               "kv": "int8" if a.kv_int8 else "model dtype",
-              "dequant_rows": kernels.DEQUANT_ROWS}  # fmt: skip
+              "dequant_rows": kernels.FORCE_DEQUANT_ROWS or "as shipped",
+              "step_tokens": a.step_tokens, "buckets": runner.buckets}  # fmt: skip
     budgets = [int(v) for v in a.prefill.split(",")]
     for budget in budgets[1:]:  # the first budget's run is the detailed one, below
         engine = Engine(runner, ctx, tok, max_queue=4096, max_prefill_tokens=budget)
