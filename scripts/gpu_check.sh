@@ -26,6 +26,11 @@
 #             and host time by bucket; synthetic mixed steps; a decode and a 100-token step's
 #             kernels (PREFILL: prompt budgets to compare; PROFILE_ARGS=--kv-int8: int8 KV)
 #   dequant-ab  the same loop with launches past 256 rows dequantizing (shipped) or in registers
+#   r8-kernels  round 8: re-tune the tiled int8 launches (128-512 rows, with the swap loop's
+#             pair conversion, magic6) for MODELS8, the matmul table, the kernels' GPU tests
+#   r8-mix    the unique mix in-process as round 7 shipped it (no step cap, dequantized past 256
+#             rows) and as now (steps of at most 512 tokens, the GPU's crossover), then the
+#             served 24 GiB server's sustained phases (bench budget)
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
 #   final     budget, int4, int4-176b, kernels, then the GPU tests
@@ -129,6 +134,21 @@ dequant-ab)  # the served mix with steps past 256 rows dequantizing (shipped) or
             --seconds "${SUSTAIN:-20}" --prefill "${PREFILL:-512}" --dequant-rows $rows \
             --out "$RES/dequant-ab-$rows.json"
     done ;;
+r8-kernels)
+    TAIL=4 stage tune-int8-tiled "${TUNE8_TIME:-260}" bench kernels --tune "$table" --quant int8 \
+        --rows 128,256,512 --models "${MODELS8:-bloom-7b1}" --out "$RES/tune-int8-tiled.json"
+    cp "$table" "$RES/"
+    TAIL=70 stage kernels "${KERNEL_TIME:-100}" bench kernels --rows 1,16,64,128,256,512,576 \
+        --quant int8 --models bloom-7b1,bloom-176b:8 --out "$RES/kernels.json"
+    TAIL=15 stage gpu-tests-family "$(left)" gpu_tests -k "family or int8_linear" ;;
+r8-mix)
+    for arm in "shipped7 --step-tokens 0 --dequant-rows 256" "capped --step-tokens 512"; do
+        read -ra args <<< "$arm"
+        TAIL=9 stage "mix-${args[0]}" 150 python3 -m mpinfer.tools.diag.mixed_step --quick \
+            --seconds "${SUSTAIN:-20}" "${args[@]:1}" --out "$RES/mix-${args[0]}.json"
+    done
+    TAIL=30 stage budget "$(left)" bench budget --workdir /tmp/mb --budgets 24GiB \
+        --seconds "${SUSTAIN:-20}" --out "$RES/budget.json" ;;
 kernel-tests) TAIL=15 stage gpu-tests-kernels "$(left)" gpu_tests -k "linear or family" ;;
 tests) TAIL=15 stage gpu-tests "$(left)" gpu_tests ;;
 serve)
