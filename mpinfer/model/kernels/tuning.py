@@ -67,9 +67,6 @@ TILED_FAMILIES = [
     # products in flight across its converted tile (it waits for each), the swap loop up to 3.
     ("swap", 128, 64, 8, 3, 0, 256), ("swap", 128, 64, 8, 4, 0, 256),
     ("swap", 64, 64, 4, 4, 0, 256), ("dot", 128, 128, 8, 3, 0, 128),
-    # Round 8: two programs an SM (98 registers a thread, 56 KiB of shared memory; Triton 3.6,
-    # sm_90a), so one program's conversions run beside the other's products.
-    ("swap", 128, 64, 8, 4, 0, 64),
 ]  # fmt: skip
 # int4: BLOCK_K is the group size, set per launch; these are the families at 128.
 INT4_FAMILIES = [
