@@ -19,7 +19,8 @@ the GPU's tuned table or the default rule (tuning.py):
   (`tl.dot`, rows padded to 16 by masking). How int8 becomes float is the config's MAGIC
   (`_to_compute`): for fp16 the bit trick in packed PTX wins almost everywhere.
 - USE_DOT and SWAP: the same, computing y^T = w @ x^T, so the converted weight tile is the left
-  operand, which the tensor cores read from registers.
+  operand, which the tensor cores read from registers, in pairs of K positions (magic6 converts
+  them as loaded: it won every 128-512-row launch of the H100's round-8 sweep).
 - not USE_DOT (one row only): products accumulate elementwise in a BLOCK_N x BLOCK_K fp32 tile
   and are reduced across K once, after the loop (no cross-thread reduction per step); PREFETCH
   loads the next tile before it converts and multiplies this one (Triton does not pipeline it).
