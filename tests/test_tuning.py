@@ -261,3 +261,25 @@ def test_matmul_shapes_from_a_config_json_and_bad_models(tmp_path):
                       (str(tmp_path / "nothing"), "neither a known shape")]:  # fmt: skip
         with pytest.raises(ValueError, match=what):
             models_shapes(bad)
+
+
+def test_a_tables_crossover_moves_where_int8_launches_dequantize(monkeypatch):
+    """kernels._many: launches of more than DEQUANT_ROWS rows dequantize their weight, unless
+    the GPU's table names its measured crossover (int8 only; int4 keeps DEQUANT_ROWS), and the
+    diagnostic override wins over both."""
+    from types import SimpleNamespace
+
+    from mpinfer.model import kernels
+
+    def launch(rows):  # what _many reads of an activation tensor on GPU 0
+        return SimpleNamespace(numel=lambda: rows * 64, shape=(rows, 64), is_cuda=True,
+                               device=SimpleNamespace(index=0))  # fmt: skip
+
+    monkeypatch.setattr(kernels, "_table_rows", lambda index: 512)
+    assert [kernels._many(launch(r), bits=8) for r in (256, 257, 512, 513)] == [
+        False, False, False, True]  # fmt: skip
+    assert [kernels._many(launch(r), bits=4) for r in (256, 257)] == [False, True]
+    monkeypatch.setattr(kernels, "_table_rows", lambda index: kernels.DEQUANT_ROWS)  # no entry
+    assert [kernels._many(launch(r), bits=8) for r in (256, 257)] == [False, True]
+    monkeypatch.setattr(kernels, "FORCE_DEQUANT_ROWS", 1024)
+    assert not kernels._many(launch(1000), bits=4)

@@ -3,7 +3,7 @@ so it imports on a CPU machine. Each kernel has a pure-torch reference in quant.
 
 `int8_linear(x, q, scale, bias)` is the W8A16 matmul `(x @ q^T) * scale + bias` and
 `int4_linear(x, packed, scale, offset, bias)` the group-wise W4A16 one:
-- up to the GPU's crossover (its tuned table's "dequant_rows", else DEQUANT_ROWS = 256): one
+- up to the GPU's crossover (int8: its tuned table's "dequant_rows"; else DEQUANT_ROWS, 256): one
   Triton kernel each that reads the quantized weight once and converts it in registers
   (w8a16.py, w4a16.py, launch.py), configured per row bucket by the GPU's tuned table or the
   default rule (tuning.py);
@@ -50,12 +50,13 @@ def _table_rows(index: int) -> int:
     return dequant_rows(torch.cuda.get_device_name(index)) or DEQUANT_ROWS
 
 
-def _many(x: torch.Tensor) -> bool:
-    """Whether a launch of x's rows dequantizes its weight for cuBLAS (GPU activations)."""
+def _many(x: torch.Tensor, *, bits: int) -> bool:
+    """Whether a launch of x's rows dequantizes its weight for cuBLAS (GPU activations). A
+    table's crossover was measured with int8 weights: int4 keeps DEQUANT_ROWS."""
     rows = x.numel() // x.shape[-1]
     if FORCE_DEQUANT_ROWS is not None:
         return rows > FORCE_DEQUANT_ROWS
-    if rows <= DEQUANT_ROWS or not x.is_cuda:
+    if rows <= DEQUANT_ROWS or not x.is_cuda or bits != 8:
         return rows > DEQUANT_ROWS
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     return rows > _table_rows(index)
@@ -76,7 +77,7 @@ def int8_linear(
 ) -> torch.Tensor:
     """`gelu((x @ q^T) * scale + bias) + residual` (gelu and residual optional)."""
     gpu = x.dtype in (torch.float16, torch.bfloat16)
-    if gpu and _many(x):
+    if gpu and _many(x, bits=8):
         from .dequant import dequantize
 
         y = F.linear(x, dequantize(q, scale, x.dtype), bias)
@@ -102,7 +103,7 @@ def int4_linear(
 ) -> torch.Tensor:
     """`gelu(x @ w^T + bias) + residual` for group-wise int4 w (quant.py's format), x fp16 or
     bf16 (quant.py's reference computes the rest)."""
-    if _many(x):
+    if _many(x, bits=4):
         from .dequant import dequantize_int4
 
         y = F.linear(x, dequantize_int4(packed, scale, offset, x.dtype), bias)
