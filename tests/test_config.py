@@ -41,6 +41,8 @@ def test_overrides_apply_with_types(tmp_path):
         ('server.step_buckets="pow2"', "server.step_buckets='pow2': expected 'auto' or token"),
         ('server.step_buckets="8,0,64"', "server.step_buckets='8,0,64'"),
         ("server.kv_block_size=0", "server.kv_block_size=0 must be > 0"),
+        ("server.max_step_tokens=-1", "server.max_step_tokens=-1 must be >= 0"),
+        ("server.prefill_hold_steps=-2", "server.prefill_hold_steps=-2 must be >= 0"),
     ],
 )
 def test_bad_keys_and_values_name_the_key(override, message):
