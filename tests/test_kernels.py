@@ -18,3 +18,20 @@ def test_the_matmul_kernels_match_the_reference_under_the_interpreter():
                           timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count(" ok") >= 20, proc.stdout
+
+
+def test_the_swap_loop_compiles_for_hopper_with_the_pair_conversion_cheaper():
+    """Compiled for sm_90a here (Triton's own ptxas; no GPU): the 128-row swap tile's main loop
+    runs the tensor cores' wgmma with no local-memory traffic, and converting the fragment's
+    int8 pairs as loaded (magic6) leaves it fewer byte permutes and instructions than packing
+    them four at a time (magic2), which is why the H100's sweep chose it (docs/performance.md,
+    round 8)."""
+    from mpinfer.tools.diag.kernel_sass import loop_report
+
+    two, six = (loop_report(f"swap n128 k64 split1 pf0 magic{m} w8 s3 m128") for m in (2, 6))
+    for r in (two, six):
+        assert r["loop_ops"].get("HGMMA", 0) >= 4, r
+        assert not r["loop_ops"].get("LDL") and not r["loop_ops"].get("STL"), r
+        assert r["loop_ops"].get("LDGSTS", 0) > 0, r  # pipelined: asynchronous copies ahead
+    assert six["loop_ops"]["PRMT"] * 2 < two["loop_ops"]["PRMT"], (two, six)
+    assert six["loop_instructions"] < two["loop_instructions"], (two, six)

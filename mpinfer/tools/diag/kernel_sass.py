@@ -1,0 +1,107 @@
+"""A weight-only matmul config's compiled main loop, read on any machine (no GPU needed):
+
+    python -m mpinfer.tools.diag.kernel_sass "swap n128 k64 split1 pf0 magic6 w8 s3 m256" \
+        [--bits 8] [--arch 90]
+
+Triton compiles the kernel for the target (default sm_90a: the H100 and H200) with its pointers
+and strides specialized as a real launch specializes them (16-byte aligned, multiples of 16:
+without that no load is asynchronous and nothing is pipelined), the ptxas of Triton's wheel
+assembles it and cuobjdump disassembles it. Printed: registers a thread, the stack (spills),
+shared memory, and the instructions of the loop that holds the tensor-core ops, by opcode (local
+loads and stores there would be spills inside the loop). Round 8 found the swap loop's byte
+re-packing this way (docs/performance.md). Use the GPU machine's Triton version: another
+version compiles other code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ...model.kernels import tuning
+
+# Pointer arguments' element types (int4: packed bytes, fp16 scales and offsets).
+_POINTERS = {8: {"w_ptr": "*i8", "s_ptr": "*fp32"},
+             4: {"w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16"}}  # fmt: skip
+_ALIGNED = ("_ptr", "N", "K", "stride")  # what a launch's values make multiples of 16
+
+
+def compile_config(config: str, *, bits: int = 8, arch: int = 90, group: int = 128):
+    """The compiled kernel (Triton's CompiledKernel) of `config` for GPUs of `arch`, fp16
+    activations, a bias, no GeLU or residual, whole K tiles."""
+    from ...model.kernels import w4a16, w8a16
+
+    kernel = w8a16._w8a16 if bits == 8 else w4a16._w4a16
+    kw, warps, stages = tuning.parse(config)
+    kw = dict(kw, BLOCK_M=kw["BLOCK_M"] or tuning.SINGLE_TILE, BLOCK_K=kw["BLOCK_K"]
+              if bits == 8 else group)  # fmt: skip
+    names = list(inspect.signature(kernel.fn).parameters)
+    fixed = dict(HAS_BIAS=True, ACT=False, HAS_RES=False, EVEN_K=True,
+                 **{k: v for k, v in kw.items() if k != "split_k"})  # fmt: skip
+    fixed = {k: v for k, v in fixed.items() if k in names}
+    ptrs = _POINTERS[bits]
+    sig = {n: "constexpr" if n in fixed else ptrs.get(n, "*fp32" if n.startswith(("ws", "cnt"))
+           else "*fp16") if n.endswith("_ptr") else "i32" for n in names}  # fmt: skip
+    if "cnt_ptr" in sig:
+        sig["cnt_ptr"] = "*i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n] != "constexpr" and any(a in n for a in _ALIGNED)}  # fmt: skip
+    src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in fixed.items()},
+                    attrs=attrs)  # fmt: skip
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=warps, num_stages=stages))  # fmt: skip
+
+
+def loop_report(config: str, *, bits: int = 8, arch: int = 90) -> dict:
+    """Registers, spill bytes, shared memory, and the opcodes of the tensor-core loop."""
+    compiled = compile_config(config, bits=bits, arch=arch)
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as d:
+        cubin = Path(d) / "k.cubin"  # assembled by Triton's own ptxas
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage, sass = (
+            subprocess.run([cuobjdump, flag, cubin], capture_output=True, text=True, check=True)
+            .stdout for flag in ("-res-usage", "-sass")
+        )  # fmt: skip
+    found = [(int(m[1], 16), m[2], line) for line in sass.splitlines()
+             if (m := re.search(r"/\*([0-9a-f]{4,})\*/\s+(\S+(?: \S+)?)", line))]  # fmt: skip
+    loop: list[str] = []
+    for addr, _, line in found:  # the backward branch whose body holds the tensor-core ops
+        if (m := re.search(r"BRA (0x[0-9a-f]+)", line)) and int(m[1], 16) < addr:
+            body = [op for a, op, _ in found if int(m[1], 16) <= a <= addr]
+            if any(op.startswith(("HGMMA", "HMMA")) for op in body):
+                loop = body
+                break
+    ops = Counter(re.sub(r"^@!?U?P\w+ ", "", op).split()[0].split(".")[0] for op in loop)
+    return {"config": config, "arch": compiled.metadata.arch, "triton": triton.__version__,
+            "registers": int(re.search(r"REG:(\d+)", usage)[1]),
+            "stack_bytes": int(re.search(r"STACK:(\d+)", usage)[1]),
+            "shared_bytes": compiled.metadata.shared, "loop_instructions": len(loop),
+            "loop_ops": dict(ops.most_common())}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("configs", nargs="+", help='config names, e.g. "swap n128 k64 split1 ..."')
+    ap.add_argument("--bits", type=int, default=8, choices=(8, 4))
+    ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90, 80")
+    a = ap.parse_args()
+    for config in a.configs:
+        r = loop_report(config, bits=a.bits, arch=a.arch)
+        top = ", ".join(f"{k} {v}" for k, v in list(r["loop_ops"].items())[:12])
+        print(f"{config} ({r['arch']}, Triton {r['triton']}): {r['registers']} registers, "
+              f"{r['stack_bytes']} B of stack (spills), {r['shared_bytes']} B shared; loop "
+              f"{r['loop_instructions']} instructions: {top}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
