@@ -15,6 +15,7 @@ step of 576 rows still reads each weight from HBM about once.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -22,6 +23,10 @@ import triton.language as tl
 
 from . import tuning
 from .tuning import COUNTERS, WORKSPACE_BYTES
+
+# Triton's interpreter (CPU tests) runs no PTX: there the kernels' PTX conversions run their
+# Triton-op twins, so the CPU tests check the algebra and the GPU tests the PTX.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit

@@ -42,13 +42,11 @@ an iteration (two independent weight loads in flight; Triton does not pipeline t
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .launch import device_scratch, launch_plan, reduce_and_finish
+from .launch import INTERPRETED, device_scratch, launch_plan, reduce_and_finish
 
 # Four packed bytes (eight nibbles) to their weights q * s + z in fp16 (MAGIC=2), two lanes an
 # instruction. `prmt` spreads bytes 0, 1 (then 2, 3) into the low byte of each 16-bit lane; one
@@ -98,9 +96,8 @@ lop3.b32 $7, t, 0x0000F000, 0x3F800000, 0xEA;
 }""")
 
 
-# Triton's interpreter (CPU tests) runs no PTX: there MAGIC 5 makes its mantissas in Triton ops
-# (MAGIC 3's way), so the CPU tests check its algebra and the GPU tests its PTX.
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# Under Triton's interpreter (launch.INTERPRETED) MAGIC 5 makes its mantissas in Triton ops
+# (MAGIC 3's way).
 
 
 @triton.jit

@@ -28,13 +28,11 @@ the GPU's tuned table or the default rule (tuning.py):
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .launch import device_scratch, launch_plan, reduce_and_finish
+from .launch import INTERPRETED, device_scratch, launch_plan, reduce_and_finish
 
 # Packed int8 conversions in PTX, four weights per call (MAGIC=2; NVIDIA only). One `xor` makes
 # the four signed bytes offset-binary (q + 128); `prmt` then places each byte under a constant
@@ -95,8 +93,7 @@ prmt.b32 $0, u, 0x64646464, 0x4140;
 mov.b32 c, 0x64806480;
 sub.f16x2 $0, $0, c;
 }""")
-# Triton's interpreter (CPU tests) runs no PTX: there MAGIC 6 runs MAGIC 1's Triton ops.
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# Under Triton's interpreter (launch.INTERPRETED) MAGIC 6 runs MAGIC 1's Triton ops.
 
 
 @triton.jit
