@@ -7,10 +7,10 @@ Triton compiles the kernel for the target (default sm_90a: the H100 and H200) wi
 and strides specialized as a real launch specializes them (16-byte aligned, multiples of 16:
 without that no load is asynchronous and nothing is pipelined), the ptxas of Triton's wheel
 assembles it and cuobjdump disassembles it. Printed: registers a thread, the stack (spills),
-shared memory, and the instructions of the loop that holds the tensor-core ops, by opcode (local
-loads and stores there would be spills inside the loop). Round 8 found the swap loop's byte
-re-packing this way (docs/performance.md). Use the GPU machine's Triton version: another
-version compiles other code.
+shared memory, and the instructions of the main loop (the tensor-core ops', else the longest),
+by opcode (local loads and stores there would be spills inside the loop). Round 8 found the
+swap loop's byte re-packing this way (docs/performance.md). Use the GPU machine's Triton
+version: another version compiles other code.
 """
 
 from __future__ import annotations
@@ -74,13 +74,11 @@ def loop_report(config: str, *, bits: int = 8, arch: int = 90) -> dict:
         )  # fmt: skip
     found = [(int(m[1], 16), m[2], line) for line in sass.splitlines()
              if (m := re.search(r"/\*([0-9a-f]{4,})\*/\s+(\S+(?: \S+)?)", line))]  # fmt: skip
-    loop: list[str] = []
-    for addr, _, line in found:  # the backward branch whose body holds the tensor-core ops
-        if (m := re.search(r"BRA (0x[0-9a-f]+)", line)) and int(m[1], 16) < addr:
-            body = [op for a, op, _ in found if int(m[1], 16) <= a <= addr]
-            if any(op.startswith(("HGMMA", "HMMA")) for op in body):
-                loop = body
-                break
+    loops = [[op for a, op, _ in found if int(m[1], 16) <= a <= addr] for addr, _, line in found
+             if (m := re.search(r"BRA (0x[0-9a-f]+)", line)) and int(m[1], 16) < addr]  # fmt: skip
+    # the main loop: the one with the tensor-core ops, else (the one-row loop) the longest
+    mma = [b for b in loops if any(op.startswith(("HGMMA", "HMMA")) for op in b)]
+    loop = (mma or sorted(loops, key=len, reverse=True) or [[]])[0]
     ops = Counter(re.sub(r"^@!?U?P\w+ ", "", op).split()[0].split(".")[0] for op in loop)
     return {"config": config, "arch": compiled.metadata.arch, "triton": triton.__version__,
             "registers": int(re.search(r"REG:(\d+)", usage)[1]),
