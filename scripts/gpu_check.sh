@@ -31,6 +31,8 @@
 #   r8-mix    the unique mix in-process as round 7 shipped it (no step cap, dequantized past 256
 #             rows) and as now (steps of at most 512 tokens, the GPU's crossover), then the
 #             served 24 GiB server's sustained phases (bench budget)
+#   r9-h200   round 9, on an H200: BLOOM-176B int4 whole on one GPU, 7b1 int4 beside int8, the
+#             tiled int8 launches re-tuned with magic6
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
 #   final     budget, int4, int4-176b, kernels, then the GPU tests
@@ -141,6 +143,15 @@ r8-kernels)
     TAIL=70 stage kernels "${KERNEL_TIME:-100}" bench kernels --rows 1,16,64,128,256,512,576 \
         --quant int8 --models bloom-7b1,bloom-176b:8 --out "$RES/kernels.json"
     TAIL=15 stage gpu-tests-family "$(left)" gpu_tests -k "family or int8_linear" ;;
+r9-h200)  # round 9, on an H200: BLOOM-176B int4 whole on the GPU, 7b1 int4 beside int8, then
+    # the tiled int8 launches re-tuned with magic6 (the table is also left in /tmp for a next call)
+    TAIL=25 stage int4-176b "${INT4_176B_TIME:-215}" bench gpu --shape bloom-176b \
+        --rows mpinfer-int4 --batches 1,8 --out "$RES/int4-176b.json"
+    TAIL=25 stage int4-7b1 "${INT4_TIME:-100}" bench gpu --shape bloom-7b1 --quant int4 \
+        --out "$RES/int4-7b1.json"
+    TAIL=4 stage tune-int8-tiled "$(left)" bench kernels --tune "$table" --quant int8 \
+        --rows 128,256,512 --models "${MODELS8:-bloom-7b1}" --out "$RES/tune-int8-tiled.json"
+    cp "$table" "$RES/"; cp "$table" /tmp/r9-table.json ;;
 r8-mix)
     for arm in "shipped7 --step-tokens 0 --dequant-rows 256" "capped --step-tokens 512"; do
         read -ra args <<< "$arm"
