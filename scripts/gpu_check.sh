@@ -33,6 +33,7 @@
 #             served 24 GiB server's sustained phases (bench budget)
 #   r9-h200   round 9, on an H200: BLOOM-176B int4 whole on one GPU, 7b1 int4 beside int8, the
 #             tiled int8 launches re-tuned with magic6
+#   r9-gil    the served unique mix (32 clients) at each interpreter switch interval of GIL_MS
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
 #   final     budget, int4, int4-176b, kernels, then the GPU tests
@@ -152,6 +153,13 @@ r9-h200)  # round 9, on an H200: BLOOM-176B int4 whole on the GPU, 7b1 int4 besi
     TAIL=4 stage tune-int8-tiled "$(left)" bench kernels --tune "$table" --quant int8 \
         --rows 128,256,512 --models "${MODELS8:-bloom-7b1}" --out "$RES/tune-int8-tiled.json"
     cp "$table" "$RES/"; cp "$table" /tmp/r9-table.json ;;
+r9-gil)  # the 24 GiB server's unique mix at 32 clients with the interpreter's switch interval
+    # (MPINFER_SWITCH_INTERVAL_MS) at each of GIL_MS, in that order (an A/B/A by default)
+    for ms in ${GIL_MS:-5 0.5 5}; do
+        TAIL=6 stage "gil-$ms" 160 bench budget --workdir /tmp/mb --budgets 24GiB-u32 \
+            --seconds "${SUSTAIN:-20}" --env MPINFER_SWITCH_INTERVAL_MS=$ms \
+            --out "$RES/gil-$ms-$SECONDS.json"
+    done ;;
 r8-mix)
     for arm in "shipped7 --step-tokens 0 --dequant-rows 256" "capped --step-tokens 512"; do
         read -ra args <<< "$arm"

@@ -38,9 +38,9 @@ def test_the_swap_loop_compiles_for_hopper_with_the_pair_conversion_cheaper():
 
 
 def test_a_register_capped_config_compiles_to_its_cap_with_no_spills_in_the_loop():
-    """"r128" reaches the compiler (Triton's maxnreg): the capped 128-row swap tile uses at most
-    128 registers a thread, so two programs of 8 warps fit an SM's 65,536, and what it spills
-    stays out of the tensor-core loop; uncapped, the same config takes more."""
+    """A config's "r128" reaches the compiler (Triton's maxnreg): the capped 128-row swap tile
+    uses at most 128 registers a thread, so two programs of 8 warps fit an SM's 65,536, and
+    what it spills stays out of the tensor-core loop; uncapped, the same config takes more."""
     from mpinfer.tools.diag.kernel_sass import loop_report
 
     free, capped = (loop_report(f"swap n128 k64 split1 pf0 magic6 w8 s3 m128{tail}")

@@ -7,6 +7,7 @@ thread that reads the serving processes' own GPU memory from NVML every 100 ms:
     24GiB     64 slots: the sustained mix on unique prompts at 32 and 64 closed-loop clients
               (each phase with its prefix-cache hit rate), the same with a shared 300-word
               system prompt (about 1,000 tokens), a burst of 32 x 128, greedy texts of 8 prompts
+    24GiB-u32 the same server with the unique mix at 32 clients alone (an A/B's one phase)
     12GiB     64 clients on unique prompts, and the same greedy texts (a second start)
     6GiB      the model over its budget: the throughput plan (offloadplan.py: blocks in host
               memory, int8 KV, int8 embeddings, rows), 128 closed-loop clients of short
@@ -100,11 +101,12 @@ def short_work(n: int = 100_000) -> list[tuple[str, int]]:
     return loadgen.mixed_requests(n, 3, repeats=(1,), outputs=(128, 128))
 
 
-def serve(ckpt: Path, budget: str, phases, *settings: str) -> dict:
+def serve(ckpt: Path, budget: str, phases, *settings: str, env: dict | None = None) -> dict:
     """One server under `budget`, its peak memory watched while `phases(url)` runs."""
     t0 = time.perf_counter()
     server = ServerProcess(1, str(ckpt), 'quant.method="int8"', *settings,
-                           f'model.memory_budget="{budget}"', "server.max_queue=1024")  # fmt: skip
+                           f'model.memory_budget="{budget}"', "server.max_queue=1024",
+                           env=env)  # fmt: skip
     row = {"budget": budget, "start_s": time.perf_counter() - t0}
     mem = ProcessMemory(server.proc.pid)
     try:
@@ -171,6 +173,9 @@ def run_budget(a) -> dict:
                                                            work=short_work()))}  # fmt: skip
         return {"phases": ph, "greedy": greedy(url)}
 
+    def unique32(url):  # the served A/B's one phase
+        return {"phases": {"unique-32": asyncio.run(loadgen.closed_loop(url, 32, a.seconds))}}
+
     def twin(url):
         return {"phases": {}, "greedy": greedy(url)}
 
@@ -182,6 +187,7 @@ def run_budget(a) -> dict:
 
     runs = {
         "24GiB": ("24GiB", full, "server.max_batch_slots=64"),
+        "24GiB-u32": ("24GiB", unique32, "server.max_batch_slots=64"),
         "12GiB": ("12GiB", half, "server.max_batch_slots=64"),
         "6GiB": (a.offload_mem, offload),
         "6GiB-twin": ("24GiB", twin, 'quant.embeddings="int8"', 'server.kv_cache_dtype="int8"'),
@@ -190,7 +196,8 @@ def run_budget(a) -> dict:
     for name in a.budgets:
         budget, fn, *extra = runs[name]
         try:
-            result["servers"][name] = serve(ckpt, budget, fn, *common, *extra)
+            env = dict(kv.split("=", 1) for kv in a.env)
+            result["servers"][name] = serve(ckpt, budget, fn, *common, *extra, *a.set, env=env)
         except Exception as e:  # one server failing must not lose the others' figures
             result["servers"][name] = {"budget": budget, "error": f"{type(e).__name__}: {e}"}
     result["greedy_equal"] = same_texts(result, "24GiB", "12GiB")
@@ -244,7 +251,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="mpinfer bench budget", description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="bloom-7b1", choices=list(SHAPES))
     p.add_argument("--budgets", default="24GiB,12GiB,6GiB,6GiB-twin,int4",
-                   help="servers, in order (24GiB, 12GiB, 6GiB, 6GiB-twin, int4)")  # fmt: skip
+                   help="servers, in order (24GiB, 24GiB-u32, 12GiB, 6GiB, 6GiB-twin, "
+                   "int4)")  # fmt: skip
     p.add_argument("--offload-mem", default="6GiB", help="the over-budget server's budget")
     p.add_argument("--seconds", type=float, default=30)
     p.add_argument(
@@ -254,6 +262,10 @@ def main(argv: list[str]) -> int:
         help="the over-budget server's phase (its requests take 15 s or more each)",
     )
     p.add_argument("--workdir", default="/tmp/mpinfer-bench")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config setting for every server (repeatable)")  # fmt: skip
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable for every server (repeatable)")  # fmt: skip
     p.add_argument("--out", default="bench/results/budget.json")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
