@@ -8,9 +8,8 @@ loop (dot: tensor cores; swap: tensor cores with the weight tile as the left ope
 one-row elementwise loop), BLOCK_N, BLOCK_K, split-K, PREFETCH, MAGIC (how a quantized weight
 becomes float: 0 the conversion unit via fp32, 1 the fp16 bit trick in Triton ops, fp16 only, 2
 the bit trick in packed PTX, int8 only; 3-5 int4's one-row tricks, 6 int8's pairs in PTX for
-the swap loop), num_warps, num_stages, BLOCK_M (the rows a program owns; without it, the row
-bucket's size: 16, 32 or 64), and optionally "r128", the registers a thread may use (Triton's
-maxnreg: fewer, for more programs an SM).
+the swap loop), num_warps, num_stages, and BLOCK_M (the rows a program owns; without it, the
+row bucket's size: 16, 32 or 64).
 
 Both kernels (w8a16.py, w4a16.py) cover every row count a step can have with one family of
 loops: one row, tiles of up to 64 rows, and tiles of BLOCK_M rows repeated over the rows for
@@ -68,10 +67,6 @@ TILED_FAMILIES = [
     # products in flight across its converted tile (it waits for each), the swap loop up to 3.
     ("swap", 128, 64, 8, 3, 0, 256), ("swap", 128, 64, 8, 4, 0, 256),
     ("swap", 64, 64, 4, 4, 0, 256), ("dot", 128, 128, 8, 3, 0, 128),
-    # Round 8: the m128 swap tile capped at 128 registers a thread (an eighth field: Triton's
-    # maxnreg; its spills are in the epilogue, none in the loop, compiled for sm_90a), so two
-    # programs share an SM and one's conversions run beside the other's products.
-    ("swap", 128, 64, 8, 3, 0, 128, 128), ("swap", 128, 64, 8, 4, 0, 128, 128),
 ]  # fmt: skip
 # int4: BLOCK_K is the group size, set per launch; these are the families at 128.
 INT4_FAMILIES = [
@@ -94,7 +89,6 @@ TILED_MAGIC = {"float16": (1, 2, 6), "bfloat16": (0, 2)}
 
 _NAME = re.compile(
     r"(dot|swap|fma) n(\d+) k(\d+) split(\d+) pf([01]) magic([0-6]) w(\d+) s(\d+)(?: m(\d+))?"
-    r"(?: r(\d+))?"
 )
 
 
@@ -106,17 +100,16 @@ def parse(name: str) -> tuple[dict, int, int]:
     if not m:
         raise ValueError(f"not a kernel config name: {name!r} (e.g. 'dot n64 k128 split4 pf0 "
                          "magic0 w4 s3')")  # fmt: skip
-    loop, bn, bk, split, pf, magic, w, s, bm, regs = m.groups()
+    loop, bn, bk, split, pf, magic, w, s, bm = m.groups()
     kw = dict(USE_DOT=int(loop != "fma"), SWAP=int(loop == "swap"), BLOCK_N=int(bn),
               BLOCK_K=int(bk), split_k=int(split), PREFETCH=int(pf), MAGIC=int(magic),
-              BLOCK_M=int(bm or 0), MAXNREG=int(regs or 0))  # fmt: skip
+              BLOCK_M=int(bm or 0))  # fmt: skip
     return kw, int(w), int(s)
 
 
 def name(kw: dict, num_warps: int, num_stages: int) -> str:
     loop = ("swap" if kw.get("SWAP") else "dot") if kw["USE_DOT"] else "fma"
     tail = f" m{kw['BLOCK_M']}" if kw.get("BLOCK_M") else ""
-    tail += f" r{kw['MAXNREG']}" if kw.get("MAXNREG") else ""
     return (f"{loop} n{kw['BLOCK_N']} k{kw['BLOCK_K']} split{kw['split_k']} pf{kw['PREFETCH']} "
             f"magic{kw.get('MAGIC', 0)} w{num_warps} s{num_stages}{tail}")  # fmt: skip
 
@@ -144,7 +137,7 @@ def names(families, splits, dtype: str, magic=None, *, bits: int = 8, group: int
     """Every config of these families and splits, with every conversion `dtype` allows (or
     those of `magic` only); int4 configs take BLOCK_K from the group size."""
     out = []
-    for loop, bn, bk, w, s, pf, bm, *regs in families:
+    for loop, bn, bk, w, s, pf, bm in families:
         bk = group if bits == 4 else bk
         for split in splits:
             for m in magics(dtype, bits):
@@ -157,8 +150,7 @@ def names(families, splits, dtype: str, magic=None, *, bits: int = 8, group: int
                 if magic is None or m in magic:
                     out.append(name(dict(USE_DOT=int(loop != "fma"), SWAP=int(loop == "swap"),
                                          BLOCK_N=bn, BLOCK_K=bk, split_k=split, PREFETCH=pf,
-                                         MAGIC=m, BLOCK_M=bm, MAXNREG=sum(regs)), w,
-                                    s))  # fmt: skip
+                                         MAGIC=m, BLOCK_M=bm), w, s))  # fmt: skip
     return out
 
 
