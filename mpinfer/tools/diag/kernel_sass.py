@@ -45,7 +45,6 @@ def compile_config(config: str, *, bits: int = 8, arch: int = 90, group: int = 1
     kw = dict(kw, BLOCK_M=kw["BLOCK_M"] or tuning.SINGLE_TILE, BLOCK_K=kw["BLOCK_K"]
               if bits == 8 else group)  # fmt: skip
     names = list(inspect.signature(kernel.fn).parameters)
-    regs = kw.pop("MAXNREG")  # a launch option ("r128"), not a meta-parameter
     fixed = dict(HAS_BIAS=True, ACT=False, HAS_RES=False, EVEN_K=True,
                  **{k: v for k, v in kw.items() if k != "split_k"})  # fmt: skip
     fixed = {k: v for k, v in fixed.items() if k in names}
@@ -59,8 +58,7 @@ def compile_config(config: str, *, bits: int = 8, arch: int = 90, group: int = 1
     src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in fixed.items()},
                     attrs=attrs)  # fmt: skip
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=warps, num_stages=stages,
-                                       **({"maxnreg": regs} if regs else {})))  # fmt: skip
+                          options=dict(num_warps=warps, num_stages=stages))  # fmt: skip
 
 
 def loop_report(config: str, *, bits: int = 8, arch: int = 90) -> dict:
