@@ -33,10 +33,9 @@
 #             served 24 GiB server's sustained phases (bench budget)
 #   r9-h200   round 9, on an H200: BLOOM-176B int4 whole on one GPU, 7b1 int4 beside int8, the
 #             tiled int8 launches re-tuned with magic6
-#   r9-kernels  round 9: the tiled int8 launches re-tuned with the r128 family (7b1 128-512 rows,
-#             the 176B tp-8 rank 128 and 256), the matmul table; r9-serve: on that warm machine,
-#             its table, the kernels' GPU tests, the GIL A/B (as r9-gil)
-#   r9-gil    the served unique mix (32 clients) at each interpreter switch interval of GIL_MS
+#   r9-kernels  round 9: the tiled int8 launches re-tuned (7b1 128-512 rows, the 176B tp-8 rank
+#             128 and 256), the matmul table; r9-serve: on that warm machine, its table, the
+#             kernels' GPU tests, the served unique mix at 32 clients
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
 #   final     budget, int4, int4-176b, kernels, then the GPU tests
@@ -156,31 +155,6 @@ r9-h200)  # round 9, on an H200: BLOOM-176B int4 whole on the GPU, 7b1 int4 besi
     TAIL=4 stage tune-int8-tiled "$(left)" bench kernels --tune "$table" --quant int8 \
         --rows 128,256,512 --models "${MODELS8:-bloom-7b1}" --out "$RES/tune-int8-tiled.json"
     cp "$table" "$RES/"; cp "$table" /tmp/r9-table.json ;;
-r9-gil)  # the 24 GiB server's unique mix at 32 clients with the interpreter's switch interval
-    # (MPINFER_SWITCH_INTERVAL_MS) at each of GIL_MS, in that order (an A/B/A by default)
-    for ms in ${GIL_MS:-5 0.5 5}; do
-        TAIL=6 stage "gil-$ms" 160 bench budget --workdir /tmp/mb --budgets 24GiB-u32 \
-            --seconds "${SUSTAIN:-20}" --env MPINFER_SWITCH_INTERVAL_MS=$ms \
-            --out "$RES/gil-$ms-$SECONDS.json"
-    done ;;
-r9-kernels)  # round 9: the tiled int8 launches re-tuned with the register-capped (r128) family,
-    # bloom-7b1 at 128-512 rows and the 176B tp-8 rank at 128 and 256 (its config's steps stop
-    # at 256), then the matmul table; the table is also left in /tmp for a next call
-    TAIL=4 stage tune-7b1 "${TUNE8_TIME:-270}" bench kernels --tune "$table" --quant int8 \
-        --rows 128,256,512 --models bloom-7b1 --out "$RES/tune-7b1.json"
-    TAIL=4 stage tune-176b8 "${TUNE176_TIME:-190}" bench kernels --tune "$table" --quant int8 \
-        --rows 128,256 --models bloom-176b:8 --out "$RES/tune-176b8.json"
-    cp "$table" "$RES/"; cp "$table" /tmp/r9-table.json
-    TAIL=70 stage kernels "${KERNEL_TIME:-100}" bench kernels --rows 1,16,64,128,256,512,576 \
-        --quant int8 --models bloom-7b1,bloom-176b:8 --out "$RES/kernels.json" ;;
-r9-serve)  # on the machine r9-kernels left warm: its table, the kernels' GPU tests, the GIL A/B
-    [ -f /tmp/r9-table.json ] && cp /tmp/r9-table.json "$table" && echo "table from r9-kernels"
-    TAIL=15 stage gpu-tests-family "${TEST_TIME:-150}" gpu_tests -k "family or int8_linear"
-    for ms in ${GIL_MS:-5 0.5 5}; do
-        TAIL=6 stage "gil-$ms" 150 bench budget --workdir /tmp/mb --budgets 24GiB-u32 \
-            --seconds "${SUSTAIN:-20}" --env MPINFER_SWITCH_INTERVAL_MS=$ms \
-            --out "$RES/gil-$ms-$SECONDS.json"
-    done ;;
 r8-mix)
     for arm in "shipped7 --step-tokens 0 --dequant-rows 256" "capped --step-tokens 512"; do
         read -ra args <<< "$arm"

@@ -18,7 +18,6 @@ import argparse
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -42,11 +41,6 @@ from .routes import build_app
 from .streams import State
 
 log = logging.getLogger("mpinfer")
-# How long a Python thread may hold the interpreter before another that waits gets it (Python's
-# default 5 ms): rank 0 runs the engine's loop and the HTTP event loop in one process, and the
-# engine's next step waits for the interpreter while the event loop formats streamed tokens.
-# MPINFER_SWITCH_INTERVAL_MS overrides it (the served A/B in docs/performance.md, round 9).
-SWITCH_INTERVAL_MS = float(os.environ.get("MPINFER_SWITCH_INTERVAL_MS", "5"))
 
 EXAMPLE = """example:
   mpinfer serve --nproc 2 --config configs/tiny-cpu.toml      # then: curl 127.0.0.1:8080/health
@@ -136,7 +130,6 @@ def serve_rank(cfg: RunConfig, ctx: DistContext) -> None:
         state.attach(engine, chat)
         install_shutdown(state, engine, s.shutdown_timeout)
         state.status = "ready"
-        sys.setswitchinterval(SWITCH_INTERVAL_MS / 1000)
         log.info("ready: %s", bound_url(http, s.host, s.port))
         engine.run()
     except Interrupted as e:
