@@ -155,6 +155,23 @@ r9-h200)  # round 9, on an H200: BLOOM-176B int4 whole on the GPU, 7b1 int4 besi
     TAIL=4 stage tune-int8-tiled "$(left)" bench kernels --tune "$table" --quant int8 \
         --rows 128,256,512 --models "${MODELS8:-bloom-7b1}" --out "$RES/tune-int8-tiled.json"
     cp "$table" "$RES/"; cp "$table" /tmp/r9-table.json ;;
+r9-kernels)  # round 9: the tiled int8 launches re-tuned, bloom-7b1 at 128-512 rows and the 176B
+    # tp-8 rank at 128 and 256 (its config's steps stop at 256), then the matmul table; the
+    # table is also left in /tmp for a next call
+    TAIL=4 stage tune-7b1 "${TUNE8_TIME:-120}" bench kernels --tune "$table" --quant int8 \
+        --rows 128,256,512 --models bloom-7b1 --out "$RES/tune-7b1.json"
+    TAIL=4 stage tune-176b8 "${TUNE176_TIME:-100}" bench kernels --tune "$table" --quant int8 \
+        --rows 128,256 --models bloom-176b:8 --out "$RES/tune-176b8.json"
+    cp "$table" "$RES/"; cp "$table" /tmp/r9-table.json
+    TAIL=70 stage kernels "${KERNEL_TIME:-100}" bench kernels --rows 1,16,64,128,256,512,576 \
+        --quant int8 --models bloom-7b1,bloom-176b:8 --out "$RES/kernels.json" ;;
+r9-serve)  # on the machine r9-kernels left warm: its table, the kernels' GPU tests, then the
+    # served unique mix at 32 clients (the budget bench's one-phase server; BUDGET_ENV: an
+    # environment variable for the server, e.g. an A/B of a knob)
+    [ -f /tmp/r9-table.json ] && cp /tmp/r9-table.json "$table" && echo "table from r9-kernels"
+    TAIL=15 stage gpu-tests-family "${TEST_TIME:-150}" gpu_tests -k "family or int8_linear"
+    TAIL=6 stage served-u32 150 bench budget --workdir /tmp/mb --budgets 24GiB-u32 \
+        --seconds "${SUSTAIN:-20}" ${BUDGET_ENV:+--env "$BUDGET_ENV"} --out "$RES/served-u32.json" ;;
 r8-mix)
     for arm in "shipped7 --step-tokens 0 --dequant-rows 256" "capped --step-tokens 512"; do
         read -ra args <<< "$arm"
