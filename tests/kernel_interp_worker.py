@@ -1,6 +1,7 @@
 """Run under TRITON_INTERPRET=1 by tests/test_kernels.py: the GPU kernels (W8A16, W4A16, the
-dequantizers) executed by Triton's interpreter on CPU tensors, against the pure-torch reference
-on fresh random inputs. Prints one line per case and exits 1 if any case is off.
+dequantizers, a mixed step's attention over an fp32 and an int8 KV cache) executed by Triton's
+interpreter on CPU tensors, against the pure-torch reference on fresh random inputs. Prints one
+line per case and exits 1 if any case is off.
 
     TRITON_INTERPRET=1 python tests/kernel_interp_worker.py
 """
@@ -12,13 +13,14 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
-from mpinfer.model.kernels import dequant, tuning, w4a16, w8a16  # noqa: E402
+from mpinfer.model.kernels import attention, dequant, tuning, w4a16, w8a16  # noqa: E402
 from mpinfer.model.quant import dequantize_int4, quantize_int4, quantize_rows  # noqa: E402
 
 # The interpreter has no CUDA device: one CPU scratch for both kernels.
 SCRATCH = (torch.zeros(tuning.WORKSPACE_BYTES // 4),
            torch.zeros(tuning.COUNTERS, dtype=torch.int32))  # fmt: skip
 w8a16.device_scratch = w4a16.device_scratch = lambda device: SCRATCH
+attention.sm_count = lambda index: 4  # the decode attention sizes its splits by the GPU's SMs
 
 
 def fused(y, gelu, res):
@@ -85,7 +87,56 @@ def main() -> int:
         )
     q, s = quantize_rows(torch.randn(37, 700, generator=g))
     ok &= check("dequantize int8", dequant.dequantize(q, s, torch.float32), q.float() * s[:, None])
+    for kv in ("model", "int8"):
+        ok &= attention_case(kv, g)
     return 0 if ok else 1
+
+
+def attention_case(kv: str, g: torch.Generator) -> bool:
+    """A mixed step's three attention launches (store_kv, decode rows, prompt-chunk tiles) on an
+    fp32 model over shuffled blocks of 16, against the pure-torch reference on a copy of the
+    same cache: decode rows of 70 and 7 keys, a chunk that starts mid-row, one of one token."""
+    from mpinfer.engine.runner import Layout, StepInputs
+    from mpinfer.engine.step import Prefill, Step
+    from mpinfer.model.attention import FlatBatch, KVCache, attend_kernels, attend_reference
+    from mpinfer.model.bloom import BloomShape, alibi_slopes
+
+    heads, hd, q8 = 2, 128, kv == "int8"
+    shape = BloomShape(vocab_size=100, hidden_size=heads * hd, n_layer=1, n_head=heads)
+    caches = [KVCache.allocate(shape, 1, slots=4, max_seq=96, dtype=torch.float32,
+                               device="cpu", block_size=16, quantized=q8)
+              for _ in range(2)]  # fmt: skip
+    perm = torch.randperm(caches[0].tables.numel(), generator=g)
+    for c in caches:
+        c.tables = perm.view_as(c.tables)
+    for a, b in zip(caches[1].k + caches[1].v, caches[0].k + caches[0].v):
+        b.copy_(torch.randint(-127, 128, b.shape, generator=g) if q8 else torch.randn(b.shape,
+                generator=g))  # fmt: skip
+        a.copy_(b)
+    if q8:  # scales of keys and values with magnitudes around 1
+        for a, b in zip(caches[1].k_scale + caches[1].v_scale,
+                        caches[0].k_scale + caches[0].v_scale):  # fmt: skip
+            a.copy_(b.uniform_(0.5 / 127, 2 / 127, generator=g))
+    step = Step(decode_slots=(3, 1), decode_pos=(70, 7),
+                prefills=(Prefill(0, 20, tuple(range(40))), Prefill(2, 5, (9,))))  # fmt: skip
+    lay = Layout.of(step)
+    n = len(lay.ids)
+    inputs = StepInputs.allocate(64, 4, "cpu")
+    inputs.buf.copy_(torch.tensor(inputs.host(lay, step, pad=3)))
+    ids, nxt, seq, pos, dec_seq, dec_pos, sample, tiles = inputs.views()
+    qkv = torch.randn(64, heads * 3 * hd, generator=g)
+    slopes = alibi_slopes(heads)
+    batch = FlatBatch(seq, pos, dec_seq, dec_pos, tiles)
+    out_k = attend_kernels(qkv, caches[0].layer(0), caches[0].tables, batch, slopes, heads, hd)
+    ref_batch = FlatBatch(seq[:n], pos[:n], dec_seq[:2], dec_pos[:2], tiles, lay.segments(step))
+    out_r = attend_reference(qkv[:n], caches[1].layer(0), caches[1].tables, ref_batch, slopes,
+                             heads, hd)  # fmt: skip
+    ok = check(f"attention over a {kv} cache", out_k[:n], out_r)
+    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):  # what was written
+        same = (a.float() - b.float()).abs().max().item() <= (1 if q8 else 1e-6)
+        ok &= same
+        print(f"  cache written as the reference writes it: {'ok' if same else 'FAIL'}")
+    return ok
 
 
 if __name__ == "__main__":

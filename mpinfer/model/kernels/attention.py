@@ -31,7 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import INTERPRETED
 from .tuning import CHUNK_TILE, attention_splits, sm_count
+from .w8a16 import _S8_TO_F32
 
 
 @triton.jit
@@ -40,6 +42,20 @@ def _quantize(x):
     row's largest magnitude / 127 (attention.quantize_kv is the reference)."""
     s = tl.maximum(tl.max(tl.abs(x), axis=0) / 127.0, 1e-8)
     return tl.minimum(tl.maximum(tl.floor(x / s + 0.5), -127.0), 127.0), s
+
+
+@triton.jit
+def _i8_to_f32(x):
+    """int8 -> fp32 without the conversion unit (which Hopper runs at 16 values a clock per SM:
+    the int8 cache's decode attention was bound by it): w8a16.py's packed PTX, four values a
+    call; the byte of q + 128 under the exponent of 2^23 is the float 2^23 + 128 + q, and one
+    subtract leaves q exactly. Triton's interpreter runs the same trick in its own ops."""
+    if INTERPRETED:
+        bits = (x.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint32) | 0x4B000000
+        return bits.to(tl.float32, bitcast=True) - 8388736.0
+    else:
+        return tl.inline_asm_elementwise(_S8_TO_F32, "=r,=r,=r,=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=4)  # fmt: skip
 
 
 def _scale_strides(scales) -> tuple[int, int]:
@@ -114,18 +130,25 @@ def _decode_attention_kernel(
         blk = tl.load(table + j // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)  # (BLOCK_L,)
         row_off = blk * stride_cs + head_off + (j % BLOCK_SIZE) * stride_cl
         kv_off = row_off[:, None] + d[None, :]
-        keys = tl.load(k_ptr + kv_off, mask=ok[:, None], other=0.0).to(tl.float32)
-        vals = tl.load(v_ptr + kv_off, mask=ok[:, None], other=0.0).to(tl.float32)
-        if QUANT:
+        if QUANT:  # int8 keys and values, a scale per key: applied to its score and weight
+            keys = _i8_to_f32(tl.load(k_ptr + kv_off, mask=ok[:, None], other=0))
+            vals = _i8_to_f32(tl.load(v_ptr + kv_off, mask=ok[:, None], other=0))
             s_off = blk * stride_ss + h * stride_sh + j % BLOCK_SIZE
-            keys = keys * tl.load(ks_ptr + s_off, mask=ok, other=0.0)[:, None]
-            vals = vals * tl.load(vs_ptr + s_off, mask=ok, other=0.0)[:, None]
-        sc = tl.sum(keys * q[None, :], axis=1) * scale + slope * (j - vf).to(tl.float32)
+            sc = tl.sum(keys * q[None, :], axis=1) * tl.load(ks_ptr + s_off, mask=ok, other=0.0)
+        else:
+            keys = tl.load(k_ptr + kv_off, mask=ok[:, None], other=0.0).to(tl.float32)
+            vals = tl.load(v_ptr + kv_off, mask=ok[:, None], other=0.0).to(tl.float32)
+            sc = tl.sum(keys * q[None, :], axis=1)
+        sc = sc * scale + slope * (j - vf).to(tl.float32)
         sc = tl.where(ok, sc, -float("inf"))
         m_new = tl.maximum(m, tl.max(sc, axis=0))
         alpha = tl.exp(m - m_new)
         p = tl.exp(sc - m_new)
-        acc = acc * alpha + tl.sum(p[:, None] * vals, axis=0)
+        if QUANT:
+            pv = p * tl.load(vs_ptr + s_off, mask=ok, other=0.0)
+        else:
+            pv = p
+        acc = acc * alpha + tl.sum(pv[:, None] * vals, axis=0)
         denom = denom * alpha + tl.sum(p, axis=0)
         m = m_new
     ws = ws_ptr + ((b * n_heads + h) * n_splits + s) * (HEAD_DIM + 2)
@@ -273,11 +296,13 @@ def _chunk_attention_kernel(
         blk = tl.load(table + j // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         row_off = blk * stride_cs + h * stride_ch + (j % BLOCK_SIZE) * stride_cl
         kv_off = row_off[:, None] + d[None, :]
-        keys = tl.load(k_ptr + kv_off, mask=k_ok[:, None], other=0.0)  # (BLOCK_N, HEAD_DIM)
         if QUANT:  # int8 and a scale per key: dequantized to the queries' dtype
+            keys = tl.load(k_ptr + kv_off, mask=k_ok[:, None], other=0)  # (BLOCK_N, HEAD_DIM)
             s_off = blk * stride_ss + h * stride_sh + j % BLOCK_SIZE
             k_s = tl.load(ks_ptr + s_off, mask=k_ok, other=0.0)
-            keys = (keys.to(tl.float32) * k_s[:, None]).to(q.dtype)
+            keys = (_i8_to_f32(keys) * k_s[:, None]).to(q.dtype)
+        else:
+            keys = tl.load(k_ptr + kv_off, mask=k_ok[:, None], other=0.0)
         if IEEE:
             sc = tl.dot(q, tl.trans(keys), input_precision="ieee")
         else:
@@ -287,10 +312,12 @@ def _chunk_attention_kernel(
         m_new = tl.maximum(m, tl.max(sc, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(sc - m_new[:, None])
-        vals = tl.load(v_ptr + kv_off, mask=k_ok[:, None], other=0.0)
         if QUANT:
+            vals = tl.load(v_ptr + kv_off, mask=k_ok[:, None], other=0)
             v_s = tl.load(vs_ptr + s_off, mask=k_ok, other=0.0)
-            vals = (vals.to(tl.float32) * v_s[:, None]).to(q.dtype)
+            vals = (_i8_to_f32(vals) * v_s[:, None]).to(q.dtype)
+        else:
+            vals = tl.load(v_ptr + kv_off, mask=k_ok[:, None], other=0.0)
         if IEEE:
             pv = tl.dot(p.to(vals.dtype), vals, input_precision="ieee")
         else:
