@@ -36,6 +36,8 @@
 #   r9-kernels  round 9: the tiled int8 launches re-tuned (7b1 128-512 rows, the 176B tp-8 rank
 #             128 and 256), the matmul table; r9-serve: on that warm machine, its table, the
 #             kernels' GPU tests, the served unique mix at 32 clients
+#   r9-kv     the decode attention over fp16 and int8 KV caches (KV_OLD: an older copy of the
+#             kernels to compare), its GPU tests, the unique mix in-process with each cache
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
 #   final     budget, int4, int4-176b, kernels, then the GPU tests
@@ -172,6 +174,17 @@ r9-serve)  # on the machine r9-kernels left warm: its table, the kernels' GPU te
     TAIL=15 stage gpu-tests-family "${TEST_TIME:-150}" gpu_tests -k "family or int8_linear"
     TAIL=6 stage served-u32 150 bench budget --workdir /tmp/mb --budgets 24GiB-u32 \
         --seconds "${SUSTAIN:-20}" ${BUDGET_ENV:+--env "$BUDGET_ENV"} --out "$RES/served-u32.json" ;;
+r9-kv)  # the decode attention over fp16 and int8 caches (this tree's kernels and KV_OLD's, a copy
+    # of an older attention.py beside it), the attention GPU tests, the unique mix in-process
+    # with each cache
+    TAIL=40 stage kv-attention 150 python3 -m mpinfer.tools.diag.kv_attention \
+        --modules "attention${KV_OLD:+,$KV_OLD}" --out "$RES/kv-attention.json"
+    TAIL=8 stage gpu-tests-attention 150 gpu_tests -k "flat_step or fused_decode"
+    for kv in fp16 int8; do
+        TAIL=9 stage "mix-kv-$kv" 140 python3 -m mpinfer.tools.diag.mixed_step --quick \
+            --seconds "${SUSTAIN:-20}" $([ $kv = int8 ] && echo --kv-int8) \
+            --out "$RES/mix-kv-$kv.json"
+    done ;;
 r8-mix)
     for arm in "shipped7 --step-tokens 0 --dequant-rows 256" "capped --step-tokens 512"; do
         read -ra args <<< "$arm"
