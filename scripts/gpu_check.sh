@@ -179,8 +179,8 @@ r9-kv)  # the decode attention over fp16 and int8 caches (this tree's kernels an
     # with each cache
     TAIL=40 stage kv-attention 150 python3 -m mpinfer.tools.diag.kv_attention \
         --modules "attention${KV_OLD:+,$KV_OLD}" --out "$RES/kv-attention.json"
-    TAIL=8 stage gpu-tests-attention 150 gpu_tests -k "flat_step or fused_decode"
-    for kv in fp16 int8; do
+    TAIL=8 stage gpu-tests-attention "${TEST_TIME:-150}" gpu_tests -k "flat_step or fused_decode"
+    for kv in ${KV_MIX:-fp16 int8}; do
         TAIL=9 stage "mix-kv-$kv" 140 python3 -m mpinfer.tools.diag.mixed_step --quick \
             --seconds "${SUSTAIN:-20}" $([ $kv = int8 ] && echo --kv-int8) \
             --out "$RES/mix-kv-$kv.json"
