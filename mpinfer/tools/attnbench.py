@@ -51,6 +51,7 @@ def _attention_case(name, B, heads, context, max_seq, l2_bytes, dtype) -> dict:
     pos = torch.full((B,), context, device="cuda")
     vf = torch.zeros(B, dtype=torch.long, device="cuda")
     slopes = torch.rand(heads, device="cuda")
+    tables = slots.view(B, 1)  # one block of max_seq positions a row (the static layout)
     policy = attention_splits(B, heads, max_seq, sms)
     splits = sorted({policy, 1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 18, 24, 32}
                     | {max(1, -(-f * sms // (B * heads))) for f in (2, 4, 8, 16)})  # fmt: skip
@@ -60,8 +61,8 @@ def _attention_case(name, B, heads, context, max_seq, l2_bytes, dtype) -> dict:
 
         def call(i, block_l=block_l, warps=warps, stages=stages, n=n):
             k, v = caches[i]
-            return attention.decode_attention(qkv, k, v, slots, pos, vf, slopes, n_splits=n,
-                                              block_l=block_l, num_warps=warps,
+            return attention.decode_attention(qkv, k, v, slots, pos, vf, slopes, tables,
+                                              n_splits=n, block_l=block_l, num_warps=warps,
                                               num_stages=stages)  # fmt: skip
 
         try:
