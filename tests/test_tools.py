@@ -229,3 +229,12 @@ def test_the_steady_latencies_leave_out_the_ramp_queue():
     assert got["steady_itl_ms_p99"] == pct(gaps, 0.99)
     before = {"start": lo - 1, "times": [hi - 0.5], "output_tokens": 1}  # a ramp request
     assert steady_latency([*results, before], lo, hi) == got
+
+
+@pytest.mark.parametrize("flag,bad", [("--env", "NO_VALUE"), ("--set", "=1")])
+def test_bench_budget_refuses_a_setting_without_a_name_and_value(flag, bad):
+    """Checked before anything else (no GPU needed): the error names the option and the item."""
+    cmd = [sys.executable, "-m", "mpinfer.cli", "bench", "budget", flag, bad]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"{flag} {bad!r}: expected NAME=VALUE" in proc.stderr, proc.stderr

@@ -268,6 +268,9 @@ def main(argv: list[str]) -> int:
                    help="an environment variable for every server (repeatable)")  # fmt: skip
     p.add_argument("--out", default="bench/results/budget.json")
     a = p.parse_args(argv)
+    for flag, items in (("--set", a.set), ("--env", a.env)):
+        if bad := [kv for kv in items if "=" not in kv or kv.startswith("=")]:
+            p.error(f"{flag} {bad[0]!r}: expected NAME=VALUE")
     if not torch.cuda.is_available():
         print("error: `mpinfer bench budget` needs a CUDA GPU")
         return 2
