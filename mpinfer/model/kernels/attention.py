@@ -31,9 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRETED
 from .tuning import CHUNK_TILE, attention_splits, sm_count
-from .w8a16 import _S8_TO_F32
+from .w8a16 import _to_compute
 
 
 @triton.jit
@@ -47,15 +46,8 @@ def _quantize(x):
 @triton.jit
 def _i8_to_f32(x):
     """int8 -> fp32 without the conversion unit (which Hopper runs at 16 values a clock per SM:
-    the int8 cache's decode attention was bound by it): w8a16.py's packed PTX, four values a
-    call; the byte of q + 128 under the exponent of 2^23 is the float 2^23 + 128 + q, and one
-    subtract leaves q exactly. Triton's interpreter runs the same trick in its own ops."""
-    if INTERPRETED:
-        bits = (x.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint32) | 0x4B000000
-        return bits.to(tl.float32, bitcast=True) - 8388736.0
-    else:
-        return tl.inline_asm_elementwise(_S8_TO_F32, "=r,=r,=r,=r,r", [x], dtype=tl.float32,
-                                         is_pure=True, pack=4)  # fmt: skip
+    the int8 cache's decode attention was bound by it): w8a16's packed conversion (MAGIC 2)."""
+    return _to_compute(x, tl.float32, 2)
 
 
 def _scale_strides(scales) -> tuple[int, int]:

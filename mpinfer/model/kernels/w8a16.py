@@ -93,7 +93,7 @@ prmt.b32 $0, u, 0x64646464, 0x4140;
 mov.b32 c, 0x64806480;
 sub.f16x2 $0, $0, c;
 }""")
-# Under Triton's interpreter (launch.INTERPRETED) MAGIC 6 runs MAGIC 1's Triton ops.
+# Under Triton's interpreter (launch.INTERPRETED) MAGIC 2 and 6 run MAGIC 1's Triton ops.
 
 
 @triton.jit
@@ -102,7 +102,7 @@ def _to_compute(w, dtype: tl.constexpr, MAGIC: tl.constexpr):
     if MAGIC == 6 and not INTERPRETED:
         return tl.inline_asm_elementwise(_S8X2_TO_F16, "=r,h", [w], dtype=tl.float16,
                                          is_pure=True, pack=2)  # fmt: skip
-    elif MAGIC == 2:
+    elif MAGIC == 2 and not INTERPRETED:
         if dtype == tl.float16:
             return tl.inline_asm_elementwise(_S8_TO_F16, "=r,=r,r", [w], dtype=tl.float16,
                                              is_pure=True, pack=4)  # fmt: skip
@@ -112,10 +112,10 @@ def _to_compute(w, dtype: tl.constexpr, MAGIC: tl.constexpr):
         else:
             return tl.inline_asm_elementwise(_S8_TO_F32, "=r,=r,=r,=r,r", [w], dtype=tl.float32,
                                              is_pure=True, pack=4)  # fmt: skip
-    elif MAGIC == 1 or MAGIC == 6:
-        # The same fp16 trick in Triton's elementwise ops, one weight at a time (fp16 only): the
-        # bytes of q + 128, OR-ed into the mantissa of 1024.0, are the fp16 number
-        # 1024 + q + 128; subtract 1152.
+    elif MAGIC == 1 or MAGIC == 2 or MAGIC == 6:
+        # The same fp16 trick in Triton's elementwise ops, one weight at a time: the bytes of
+        # q + 128, OR-ed into the mantissa of 1024.0, are the fp16 number 1024 + q + 128;
+        # subtract 1152 (exact, as is its move to bf16 or fp32).
         bits = (w.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint16) | 0x6400
         y = bits.to(tl.float16, bitcast=True) - 1152.0
         return y.to(dtype)
