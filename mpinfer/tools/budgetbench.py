@@ -193,10 +193,10 @@ def run_budget(a) -> dict:
         "6GiB-twin": ("24GiB", twin, 'quant.embeddings="int8"', 'server.kv_cache_dtype="int8"'),
         "int4": ("24GiB", int4, "server.max_batch_slots=64", 'quant.method="int4"'),
     }
+    env = dict(kv.split("=", 1) for kv in a.env)
     for name in a.budgets:
         budget, fn, *extra = runs[name]
         try:
-            env = dict(kv.split("=", 1) for kv in a.env)
             result["servers"][name] = serve(ckpt, budget, fn, *common, *extra, *a.set, env=env)
         except Exception as e:  # one server failing must not lose the others' figures
             result["servers"][name] = {"budget": budget, "error": f"{type(e).__name__}: {e}"}
