@@ -12,6 +12,7 @@ import torch
 
 from mpinfer.engine.detok import TextStream
 from mpinfer.engine.sampling import (
+    DRAW_BLOCK,
     MAX_TOP_N,
     Row,
     Sampler,
@@ -21,6 +22,7 @@ from mpinfer.engine.sampling import (
     row_table,
     uniform,
 )
+from mpinfer.tools.diag.sampler_cost import one_scan_draw
 
 V = 500
 
@@ -156,6 +158,32 @@ def test_draw_inverts_the_cdf_and_never_picks_a_removed_token():
     p = probs[0]
     noise = 0.5 * (2 * p * (1 - p) / (math.pi * n)).sqrt().sum()
     assert (freq - p).abs().sum() / 2 < 2 * noise
+
+
+@pytest.mark.parametrize("vocab", [DRAW_BLOCK * 3, DRAW_BLOCK * 5 + 77, 250_880])
+def test_two_level_draw_equals_one_scan_of_the_row(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    n = 64
+    x = torch.randn(n, vocab, generator=g) * torch.rand(n, 1, generator=g) * 8
+    x[: n // 2].masked_fill_(torch.rand(n // 2, vocab, generator=g) < 0.7, float("-inf"))
+    x[3, DRAW_BLOCK:] = float("-inf")  # all mass in the first block
+    x[4, : vocab - 5] = float("-inf")  # all mass in the last five tokens
+    x[5, DRAW_BLOCK - 1 : DRAW_BLOCK + 1] = 30.0  # two tokens either side of a block edge
+    cdf = x.softmax(-1).double().cumsum(-1)
+    rows = torch.arange(n)
+    for _ in range(8):
+        u = torch.rand(n, generator=g, dtype=torch.float64)
+        got = draw(x, u)
+        # the sums' order differs: a draw may move only where u sits within rounding of a
+        # boundary between two tokens, which fresh uniforms do not hit
+        assert torch.equal(got, one_scan_draw(x, u)), (got != one_scan_draw(x, u)).nonzero()
+    for end in (0.0, 1 - 2**-53):  # the ends of [0, 1): a valid token, within rounding
+        u = torch.full((n,), end, dtype=torch.float64)
+        got = draw(x, u)
+        assert torch.isfinite(x[rows, got]).all()  # never a removed token
+        at = u * cdf[:, -1]
+        assert (cdf[rows, got] >= at - 1e-12).all()
+        assert (torch.where(got > 0, cdf[rows, (got - 1).clamp(min=0)], 0.0) <= at + 1e-12).all()
 
 
 def test_uniform_is_a_function_of_seed_and_index_only():

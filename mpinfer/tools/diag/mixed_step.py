@@ -15,7 +15,9 @@
 --kv-int8 runs it all over an int8 KV cache; --dequant-rows N moves the row count past which a
 launch dequantizes its weight (kernels.FORCE_DEQUANT_ROWS; default: the GPU's table, else
 kernels.DEQUANT_ROWS); --step-tokens caps a step's tokens (server.max_step_tokens, default 512;
-0: no cap); --quick stops after the closed loop.
+0: no cap); --quick stops after the closed loop; --sample makes the requests sample at
+temperature 1, as the OpenAI routes do when a request names none (the load generator's);
+--one-scan-draw puts back the sampler's draw before round 10 (one float64 scan per row).
 Writes JSON with --out.
 """
 
@@ -34,6 +36,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ...dist import DistContext
+from ...engine import sampling
 from ...engine.engine import Engine
 from ...engine.sampling import SamplingParams
 from ...engine.step import Prefill, Step
@@ -43,11 +46,13 @@ from .. import loadgen
 from ..randmodel import build_random, fill_context, make_runner
 from ..report import cuda_time
 from ..tiny import make_tiny
+from .sampler_cost import one_scan_draw
 
 
-def drive(engine: Engine, tok, clients: int, seconds: float) -> dict:
+def drive(engine: Engine, tok, clients: int, seconds: float, sample: bool = False) -> dict:
     """Closed loop of `clients` requests of the unique mix through the engine; per-step
-    records from wrapped engine methods."""
+    records from wrapped engine methods. `sample`: temperature 1 (what the OpenAI routes do
+    when a request names no temperature), else greedy."""
     runner, steps, by_index = engine.runner, [], {}
     launch, execute, complete = engine._launch_next, runner.execute, engine._complete
 
@@ -95,7 +100,7 @@ def drive(engine: Engine, tok, clients: int, seconds: float) -> dict:
     def submit(i: int) -> None:
         ids, n = work[i]
         ids = ids[: runner.max_seq - n]  # a small vocabulary's tokenizer makes longer prompts
-        params = SamplingParams(max_new_tokens=n, ignore_eos=True, seed=i)
+        params = SamplingParams(max_new_tokens=n, ignore_eos=True, seed=i, do_sample=sample)
         times = [time.perf_counter()]
         reqs.append(times)
 
@@ -220,10 +225,14 @@ def main() -> None:
     )
     ap.add_argument("--step-tokens", type=int, default=512, help="a step's most tokens (0: no cap)")
     ap.add_argument("--quick", action="store_true", help="the closed loop only")
+    ap.add_argument("--sample", action="store_true", help="requests sample at temperature 1")
+    ap.add_argument("--one-scan-draw", action="store_true", help="the draw before round 10")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     if a.dequant_rows:
         kernels.FORCE_DEQUANT_ROWS = a.dequant_rows
+    if a.one_scan_draw:
+        sampling.draw = one_scan_draw
     model, shape, tp = build_random(a.shape, a.quant)
     tokdir = tempfile.mkdtemp()
     make_tiny(tokdir, layers=1, hidden=64, heads=4, vocab=shape.vocab_size, shards=1)
@@ -234,12 +243,14 @@ def main() -> None:
     result = {"shape": a.shape, "quant": a.quant, "gpu": torch.cuda.get_device_name(),
               "kv": "int8" if a.kv_int8 else "model dtype",
               "dequant_rows": kernels.FORCE_DEQUANT_ROWS or "as shipped",
-              "step_tokens": a.step_tokens, "buckets": runner.buckets}  # fmt: skip
+              "step_tokens": a.step_tokens, "buckets": runner.buckets,
+              "sampling": ("temperature 1" if a.sample else "greedy")
+              + (", one-scan draw" if a.one_scan_draw else "")}  # fmt: skip
     budgets = [int(v) for v in a.prefill.split(",")]
     for budget in budgets[1:]:  # the first budget's run is the detailed one, below
         engine = Engine(runner, ctx, tok, max_queue=4096, max_prefill_tokens=budget)
         engine.warm_up()
-        got = drive(engine, tok, a.clients, a.seconds)
+        got = drive(engine, tok, a.clients, a.seconds, a.sample)
         del got["steps"]
         result[f"prefill_{budget}"] = got
         print(
@@ -248,12 +259,12 @@ def main() -> None:
         )
     engine = Engine(runner, ctx, tok, max_queue=4096, max_prefill_tokens=budgets[0])
     engine.warm_up()
-    result.update(drive(engine, tok, a.clients, a.seconds))
+    result.update(drive(engine, tok, a.clients, a.seconds, a.sample))
     result["by_bucket"] = summarize(result["steps"])
     rows = result["steps"]
     wall = sum(r["forward_ms"] + r["sample_ms"] + r.get("gap_ms", 0) for r in rows)
     print(
-        f"\nengine in-process, {a.clients} clients, unique mix: steady "
+        f"\nengine in-process, {a.clients} clients, unique mix, {result['sampling']}: steady "
         f"{result['steady_tok_per_s']:.0f} tok/s, {len(rows)} steps; GPU forward "
         f"{sum(r['forward_ms'] for r in rows) / wall:.0%}, sampler "
         f"{sum(r['sample_ms'] for r in rows) / wall:.0%}, idle gaps "
