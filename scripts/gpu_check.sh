@@ -38,6 +38,9 @@
 #             kernels' GPU tests, the served unique mix at 32 clients
 #   r9-kv     the decode attention over fp16 and int8 KV caches (KV_OLD: an older copy of the
 #             kernels to compare), its GPU tests, the unique mix in-process with each cache
+#   r10-sampler  round 10: the sampler's pass by rows and kind (diag.sampler_cost), the unique mix
+#             in-process sampled at temperature 1 with the old and the new draw and greedy, then
+#             the served unique mix at 32 clients (the load generator's requests sample)
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
 #   final     budget, int4, int4-176b, kernels, then the GPU tests
@@ -185,6 +188,16 @@ r9-kv)  # the decode attention over fp16 and int8 caches (this tree's kernels an
             --seconds "${SUSTAIN:-20}" $([ $kv = int8 ] && echo --kv-int8) \
             --out "$RES/mix-kv-$kv.json"
     done ;;
+r10-sampler)
+    TAIL=12 stage sampler-cost 90 python3 -m mpinfer.tools.diag.sampler_cost \
+        --out "$RES/sampler-cost.json"
+    for arm in "sample-one-scan --sample --one-scan-draw" "sample --sample" "greedy"; do
+        read -ra args <<< "$arm"
+        TAIL=9 stage "mix-${args[0]}" "${MIX_TIME:-140}" python3 -m mpinfer.tools.diag.mixed_step \
+            --quick --seconds "${SUSTAIN:-20}" "${args[@]:1}" --out "$RES/mix-${args[0]}.json"
+    done
+    TAIL=6 stage served-u32 "$(left)" bench budget --workdir /tmp/mb --budgets 24GiB-u32 \
+        --seconds "${SUSTAIN:-20}" --out "$RES/served-u32.json" ;;
 r8-mix)
     for arm in "shipped7 --step-tokens 0 --dequant-rows 256" "capped --step-tokens 512"; do
         read -ra args <<< "$arm"
