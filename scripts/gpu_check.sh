@@ -10,7 +10,7 @@
 #   tune4     the same for int4 alone
 #   kernels   the matmul table at 1-576 rows, int8 and int4 beside cuBLAS fp16
 #   candidates  other libraries' kernels beside ours (bench kernels --candidates all)
-#   kernel-tests  the kernels' GPU tests; tests: every GPU test (tests/test_gpu.py)
+#   kernel-tests  the kernels' GPU tests (TESTS_K: another -k filter); tests: every GPU test
 #   serve     the served speed (mpinfer bench serve --gpu)
 #   budget    the server's memory against its budget under load, the sustained mixes with their
 #             prefix-cache hit rates, offload through the server, int4 served (bench budget)
@@ -206,7 +206,7 @@ r8-mix)
     done
     TAIL=30 stage budget "$(left)" bench budget --workdir /tmp/mb --budgets 24GiB \
         --seconds "${SUSTAIN:-20}" --out "$RES/budget.json" ;;
-kernel-tests) TAIL=15 stage gpu-tests-kernels "$(left)" gpu_tests -k "linear or family" ;;
+kernel-tests) TAIL=15 stage gpu-tests-kernels "$(left)" gpu_tests -k "${TESTS_K:-linear or family}" ;;
 tests) TAIL=15 stage gpu-tests "$(left)" gpu_tests ;;
 serve)
     TAIL=40 stage serve 300 bench serve --gpu --workdir /tmp/mb --out "$RES/serve-gpu.json" ;;
