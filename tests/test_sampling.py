@@ -18,6 +18,7 @@ from mpinfer.engine.sampling import (
     Sampler,
     SamplingParams,
     draw,
+    prefix_sums,
     process_logits,
     row_table,
     uniform,
@@ -184,6 +185,17 @@ def test_two_level_draw_equals_one_scan_of_the_row(vocab):
         at = u * cdf[:, -1]
         assert (cdf[rows, got] >= at - 1e-12).all()
         assert (torch.where(got > 0, cdf[rows, (got - 1).clamp(min=0)], 0.0) <= at + 1e-12).all()
+
+
+@pytest.mark.parametrize("vocab", [7, DRAW_BLOCK, DRAW_BLOCK * 2 + 5, 250_880])
+def test_prefix_sums_in_blocks_equal_one_scan(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.rand(5, vocab, generator=g, dtype=torch.float64)
+    x[1, ::3] = 0
+    got = prefix_sums(x)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got, x.cumsum(-1), rtol=1e-12, atol=0)
+    assert torch.equal(prefix_sums(x[:, :1]), x[:, :1])
 
 
 def test_uniform_is_a_function_of_seed_and_index_only():

@@ -184,8 +184,9 @@ class Needs:
     """Which processors a batch needs, decided on the host (reading the device would wait for
     the step in flight)."""
 
-    top_p: bool = False
-    top_k: int = 0  # the largest k of the batch's top-k rows (0: none)
+    top_p: tuple[int, ...] = ()  # rows with top-p (sorted: top-k too, if they have it)
+    top_k: int = 0  # the largest k of the other rows with top-k (0: none)
+    temperature: bool = False  # some row divides by a temperature other than 1
     typical: bool = False
     block_eos: tuple[int, ...] = ()  # rows where EOS may not end the request yet
     history: bool = False  # some row has a penalty: the per-slot history is read
@@ -213,7 +214,8 @@ def row_table(rows: list[Row], vocab_size: int) -> tuple[torch.Tensor, Needs]:
             0.0 if greedy else uniform(p.seed or 0, r.index),
             float(greedy), float(r.index < p.min_tokens), 0.0 if greedy else p.min_p,
         ])  # fmt: skip
-    top_k = [int(row[TOP_K]) for row in table if row[TOP_K] < vocab_size]
+    top_p = tuple(i for i, row in enumerate(table) if row[TOP_P] < 1)
+    top_k = [int(row[TOP_K]) for row in table if row[TOP_K] < vocab_size and row[TOP_P] >= 1]
     stop = [(i, r.params.token_lists.stop) for i, r in enumerate(rows)
             if r.index < r.params.min_tokens and r.params.stop_token_ids]  # fmt: skip
     biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
@@ -224,8 +226,9 @@ def row_table(rows: list[Row], vocab_size: int) -> tuple[torch.Tensor, Needs]:
         rows_, ids = by_row([(i, rows[i].params.token_lists.bias_ids) for i in biased])
         bias = (rows_, ids, torch.cat([rows[i].params.token_lists.bias for i in biased]))
     needs = Needs(
-        top_p=any(row[TOP_P] < 1 for row in table),
+        top_p=top_p,
         top_k=max(top_k, default=0),
+        temperature=any(row[TEMP] != 1 for row in table),
         typical=any(row[TYPICAL] < 1 for row in table),
         block_eos=tuple(i for i, row in enumerate(table) if row[BLOCK_EOS]),
         block_stop=by_row(stop) if stop else None,
@@ -276,22 +279,29 @@ def process_logits(
     if needs.block_stop is not None:
         rows, toks = (v.to(x.device, non_blocking=True) for v in needs.block_stop)
         x = x.index_put((rows, toks), torch.full_like(rows, -1, dtype=x.dtype) * float("inf"))
-    y = x / col(TEMP)
+    y = x / col(TEMP) if needs.temperature else x
     if needs.top_p:
-        # Top-k and top-p over the sorted distribution, then back to vocabulary order.
-        values, order = y.sort(dim=-1, descending=True)
-        kth = values.gather(1, (t[:, TOP_K : TOP_K + 1].long() - 1).clamp(0, V - 1))
+        # Top-k and top-p over the sorted distribution, then back to vocabulary order; only
+        # the rows with top-p are sorted.
+        every = len(needs.top_p) == n
+        rows = None if every else to_device(needs.top_p, x.device)
+        sub, ts = (y, t) if every else (y.index_select(0, rows), t.index_select(0, rows))
+        values, order = sub.sort(dim=-1, descending=True)
+        kth = values.gather(1, (ts[:, TOP_K : TOP_K + 1].long() - 1).clamp(0, V - 1))
         values = values.masked_fill(values < kth, float("-inf"))
         probs = values.softmax(-1)
         # Drop a token when the mass before it already reaches top_p; the first always stays.
-        drop = (probs.cumsum(-1) - probs) >= col(TOP_P)
+        drop = (prefix_sums(probs) - probs) >= ts[:, TOP_P : TOP_P + 1].to(x.dtype)
         drop[:, 0] = False
         values = values.masked_fill(drop, float("-inf"))
-        y = torch.empty_like(y).scatter_(1, order, values)
-    elif needs.top_k:
+        sub = torch.empty_like(sub).scatter_(1, order, values)
+        y = sub if every else y.index_copy(0, rows, sub)
+    if needs.top_k:
         top = y.topk(needs.top_k, dim=-1).values  # (n, largest k)
         kth = top.gather(1, (t[:, TOP_K : TOP_K + 1].long() - 1).clamp(0, needs.top_k - 1))
-        kth = torch.where(t[:, TOP_K : TOP_K + 1] < V, kth, float("-inf"))
+        # rows without top-k, and the sorted ones (done above), keep everything here
+        cut = (t[:, TOP_K : TOP_K + 1] < V) & (t[:, TOP_P : TOP_P + 1] >= 1)
+        kth = torch.where(cut, kth, float("-inf"))
         y = y.masked_fill(y < kth, float("-inf"))
     if needs.min_p:
         probs = y.softmax(-1)
@@ -304,7 +314,7 @@ def process_logits(
         entropy = -torch.nan_to_num(logp * p).sum(-1, keepdim=True)
         distance = (-logp - entropy).abs()
         d_sorted, order = distance.sort(dim=-1)
-        cum = p.gather(1, order).cumsum(-1)
+        cum = prefix_sums(p.gather(1, order))
         last = (cum < col(TYPICAL)).sum(-1, keepdim=True).clamp(max=V - 1)
         drop = distance > d_sorted.gather(1, last)
         drop &= t[:, TYPICAL : TYPICAL + 1] < 1
@@ -317,6 +327,17 @@ def process_logits(
 # prefix sums. A whole-row float64 scan of BLOOM's 250,880 tokens is one long sequential scan per
 # row on a GPU (torch's scan keeps a row in one thread block).
 DRAW_BLOCK = 1024
+
+
+def prefix_sums(x: torch.Tensor) -> torch.Tensor:
+    """x.cumsum(-1) of rows (n, V), as each block of DRAW_BLOCK values' own prefix sums plus the
+    sums of the blocks before it: n x V / DRAW_BLOCK short scans side by side instead of n long
+    ones (the order of the additions differs from one scan's, by rounding only)."""
+    n, V = x.shape
+    blocks = torch.nn.functional.pad(x, (0, -V % DRAW_BLOCK)).view(n, -1, DRAW_BLOCK).cumsum(-1)
+    ends = blocks[:, :, -1].cumsum(-1)  # (n, blocks)
+    before = torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1]], dim=1)
+    return (blocks + before[:, :, None]).view(n, -1)[:, :V]
 
 
 def draw(processed: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -406,8 +427,11 @@ class Sampler:
             sampled = draw(processed, t[:, U])
             tokens = torch.where(t[:, GREEDY] > 0, tokens, sampled)
         lse = x.logsumexp(-1)
-        # A row is usable when its raw and its processed distributions are finite.
-        finite = torch.isfinite(lse) & torch.isfinite(processed.logsumexp(-1))
+        # A row is usable when its raw and its processed distributions are finite (one and
+        # the same when no processor touched the logits).
+        finite = torch.isfinite(lse)
+        if processed is not x:
+            finite &= torch.isfinite(processed.logsumexp(-1))
         out = torch.zeros((n, self.width), dtype=torch.float32, device=self.device)
         out[:, 0] = tokens.float()
         out[:, 1] = x.gather(1, tokens[:, None])[:, 0] - lse
