@@ -336,8 +336,8 @@ def prefix_sums(x: torch.Tensor) -> torch.Tensor:
     n, V = x.shape
     blocks = torch.nn.functional.pad(x, (0, -V % DRAW_BLOCK)).view(n, -1, DRAW_BLOCK).cumsum(-1)
     ends = blocks[:, :, -1].cumsum(-1)  # (n, blocks)
-    before = torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1]], dim=1)
-    return (blocks + before[:, :, None]).view(n, -1)[:, :V]
+    blocks[:, 1:] += ends[:, :-1, None]  # in place: no more memory than one scan's result
+    return blocks.view(n, -1)[:, :V]
 
 
 def draw(processed: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
