@@ -11,14 +11,12 @@ import pytest
 import torch
 
 from mpinfer.engine.detok import TextStream
+from mpinfer.engine.draw import DRAW_BLOCK, draw, prefix_sums
 from mpinfer.engine.sampling import (
-    DRAW_BLOCK,
     MAX_TOP_N,
     Row,
     Sampler,
     SamplingParams,
-    draw,
-    prefix_sums,
     process_logits,
     row_table,
     uniform,

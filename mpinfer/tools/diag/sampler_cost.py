@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from ...engine.sampling import Row, Sampler, SamplingParams, draw
+from ...engine.draw import draw
+from ...engine.sampling import Row, Sampler, SamplingParams
 from ..report import md_table
 
 KINDS = {
