@@ -17,7 +17,8 @@ launch dequantizes its weight (kernels.FORCE_DEQUANT_ROWS; default: the GPU's ta
 kernels.DEQUANT_ROWS); --step-tokens caps a step's tokens (server.max_step_tokens, default 512;
 0: no cap); --quick stops after the closed loop; --sample makes the requests sample at
 temperature 1, as the OpenAI routes do when a request names none (the load generator's);
---one-scan-draw puts back the sampler's draw before round 10 (one float64 scan per row).
+--one-scan-draw puts back the sampler's draw before round 10 (one float64 scan per row);
+--slots gives the engine more slots than clients (the served 24 GiB server has 64).
 Writes JSON with --out.
 """
 
@@ -211,6 +212,7 @@ def main() -> None:
     ap.add_argument("--quant", default="int8")
     ap.add_argument("--seconds", type=float, default=20)
     ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--slots", type=int, default=0, help="the engine's slots (0: --clients)")
     ap.add_argument(
         "--prefill",
         default="512",
@@ -238,12 +240,13 @@ def main() -> None:
     make_tiny(tokdir, layers=1, hidden=64, heads=4, vocab=shape.vocab_size, shards=1)
     tok = load_tokenizer(tokdir)
     ctx = DistContext(0, 1, 0, torch.device("cuda"), None, None)
-    runner = make_runner(model, shape, tp, slots=a.clients, max_seq=2048, num_blocks=2048,
+    slots = a.slots or a.clients
+    runner = make_runner(model, shape, tp, slots=slots, max_seq=2048, num_blocks=2048,
                          kv_int8=a.kv_int8, max_step_tokens=a.step_tokens)  # fmt: skip
     result = {"shape": a.shape, "quant": a.quant, "gpu": torch.cuda.get_device_name(),
               "kv": "int8" if a.kv_int8 else "model dtype",
               "dequant_rows": kernels.FORCE_DEQUANT_ROWS or "as shipped",
-              "step_tokens": a.step_tokens, "buckets": runner.buckets,
+              "step_tokens": a.step_tokens, "buckets": runner.buckets, "slots": slots,
               "sampling": ("temperature 1" if a.sample else "greedy")
               + (", one-scan draw" if a.one_scan_draw else "")}  # fmt: skip
     budgets = [int(v) for v in a.prefill.split(",")]
