@@ -41,6 +41,8 @@
 #   r10-sampler  round 10: the sampler's pass by rows and kind (diag.sampler_cost), the unique mix
 #             in-process sampled at temperature 1 with the old and the new draw and greedy, then
 #             the served unique mix at 32 clients (the load generator's requests sample)
+#   r11-int4  round 11: the int4 families' GPU tests, the one- and 16-row int4 launches re-tuned
+#             (MODELS4), bloom-7b1 int4 beside int8, BLOOM-176B int4 on a GPU of 120 GB or more
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
 #   final     budget, int4, int4-176b, kernels, then the GPU tests
@@ -198,6 +200,18 @@ r10-sampler)
     done
     TAIL=6 stage served-u32 "$(left)" bench budget --workdir /tmp/mb --budgets 24GiB-u32 \
         --seconds "${SUSTAIN:-20}" --out "$RES/served-u32.json" ;;
+r11-int4)  # round 11: the int4 families' GPU tests (magic7 among them), the one- and 16-row int4
+    # launches re-tuned (MODELS4), bloom-7b1 int4 beside int8, BLOOM-176B int4 where it fits
+    TAIL=4 stage gpu-tests-int4 "${TEST_TIME:-150}" gpu_tests -k "every_config_family and 4"
+    TAIL=20 stage tune-int4 "${TUNE4_TIME:-240}" bench kernels --tune "$table" --quant int4 \
+        --rows 1,16 --models "${MODELS4:-bloom-7b1,bloom-176b}" --out "$RES/tune-int4.json"
+    cp "$table" "$RES/"
+    TAIL=25 stage int4-7b1 "${INT4_TIME:-80}" bench gpu --shape bloom-7b1 --quant int4 \
+        --out "$RES/int4-7b1.json"
+    if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits)" -gt 120000 ]; then
+        TAIL=25 stage int4-176b "${INT4_176B_TIME:-110}" bench gpu --shape bloom-176b \
+            --rows mpinfer-int4 --batches 1,8 --out "$RES/int4-176b.json"
+    fi ;;
 r8-mix)
     for arm in "shipped7 --step-tokens 0 --dequant-rows 256" "capped --step-tokens 512"; do
         read -ra args <<< "$arm"

@@ -72,12 +72,31 @@ def main() -> int:
                        (5, "dot n32 k128 split2 pf0 magic1 w4 s3"),
                        (20, "swap n64 k128 split1 pf0 magic0 w4 s4"),
                        (130, "dot n64 k128 split1 pf0 magic1 w4 s3 m64"),
-                       (130, "swap n64 k128 split2 pf0 magic0 w4 s3 m64")]:  # fmt: skip
+                       (130, "swap n64 k128 split2 pf0 magic0 w4 s3 m64"),
+                       (1, "swap n64 k128 split3 pf0 magic7 w4 s4"),
+                       (20, "swap n64 k128 split2 pf0 magic7 w4 s4"),
+                       (130, "swap n64 k128 split1 pf0 magic7 w4 s3 m64")]:  # fmt: skip
             x = torch.randn(M, K, generator=g).to(dt)
             res = torch.randn(M, N, generator=g).to(dt)
             y = w4a16.w4a16_matmul(x, p, s4, o4, b, gelu=True, residual=res, config=cfg)
             ok &= check(f"int4 sym={sym} {M} rows {cfg}", y,
                         fused(x.float() @ w.T + b.float(), True, res))  # fmt: skip
+    # magic7 where a group's offset is far past its range (|z|/s up to 2^19: z/s alone would
+    # overflow fp16) and where a group is constant: a weight moves by fp16's rounding at most
+    w = torch.randn(N, K, generator=g)
+    w[::7, 128:256] = 40 + 1e-3 * torch.randn(w[::7, 128:256].shape, generator=g)
+    w[3, :128] = -2.5
+    p, s4, o4 = quantize_int4(w, 128)
+    w = dequantize_int4(p, s4, o4)
+    for M, cfg in [(1, "swap n64 k128 split1 pf0 magic7 w4 s4"),
+                   (130, "swap n64 k128 split2 pf0 magic7 w4 s3 m64")]:  # fmt: skip
+        x = torch.randn(M, K, generator=g).to(dt)
+        y = w4a16.w4a16_matmul(x, p, s4, o4, None, config=cfg)
+        ref = x.float() @ w.T
+        ok &= check(f"int4 offset-heavy groups {M} rows {cfg}", y, ref)
+        tight = ((y.float() - ref).abs() / (x.float().abs() @ w.abs().T)).max().item()
+        print(f"  error / sum |x w|: {tight:.1e} {'ok' if tight < 2e-3 else 'FAIL'}", flush=True)
+        ok &= tight < 2e-3
     for G in (64, 128):
         p, s4, o4 = quantize_int4(torch.randn(37, 512, generator=g), G)
         ok &= check(

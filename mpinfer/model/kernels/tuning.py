@@ -8,7 +8,8 @@ loop (dot: tensor cores; swap: tensor cores with the weight tile as the left ope
 one-row elementwise loop), BLOCK_N, BLOCK_K, split-K, PREFETCH, MAGIC (how a quantized weight
 becomes float: 0 the conversion unit via fp32, 1 the fp16 bit trick in Triton ops, fp16 only, 2
 the bit trick in packed PTX, int8 only; 3-5 int4's one-row tricks, 6 int8's pairs in PTX for
-the swap loop), num_warps, num_stages, and BLOCK_M (the rows a program owns; without it, the
+the swap loop, 7 int4's pairs as q + z/s for the swap loop, its scale applied per group),
+num_warps, num_stages, and BLOCK_M (the rows a program owns; without it, the
 row bucket's size: 16, 32 or 64).
 
 Both kernels (w8a16.py, w4a16.py) cover every row count a step can have with one family of
@@ -76,6 +77,10 @@ INT4_FAMILIES = [
     ("dot", 64, 128, 4, 4, 0, 0),
     ("dot", 32, 128, 4, 3, 0, 0), ("dot", 64, 128, 4, 3, 0, 0), ("swap", 64, 128, 4, 4, 0, 0),
     ("swap", 128, 128, 4, 3, 0, 0),
+    # Round 11: magic7's swap loop from one row: two warpgroups, 64 or 128 weight rows each (a
+    # group's fixed instructions shared by more weights), and a deeper pipeline
+    ("swap", 128, 128, 8, 3, 0, 0), ("swap", 256, 128, 8, 3, 0, 0), ("swap", 256, 128, 8, 4, 0, 0),
+    ("swap", 64, 128, 4, 6, 0, 0),
     ("dot", 128, 128, 8, 3, 0, 128), ("dot", 128, 128, 8, 3, 0, 64),
     ("swap", 128, 128, 8, 3, 0, 128), ("swap", 128, 128, 8, 3, 0, 64),
     ("swap", 256, 128, 8, 3, 0, 128),
@@ -88,7 +93,7 @@ TILED_SPLITS = (1, 2, 3, 4)
 TILED_MAGIC = {"float16": (1, 2, 6), "bfloat16": (0, 2)}
 
 _NAME = re.compile(
-    r"(dot|swap|fma) n(\d+) k(\d+) split(\d+) pf([01]) magic([0-6]) w(\d+) s(\d+)(?: m(\d+))?"
+    r"(dot|swap|fma) n(\d+) k(\d+) split(\d+) pf([01]) magic([0-7]) w(\d+) s(\d+)(?: m(\d+))?"
 )
 
 
@@ -125,10 +130,10 @@ def magics(dtype: str, bits: int = 8) -> tuple[int, ...]:
     loop, fp16 only in the tensor-core loops, which `illegal` says; 3 and 4, int4's fp32
     mantissa trick in Triton ops and in PTX, and 5, the PTX one with the scale and offset applied
     once per run of eight weights: the one-row loop only; 6, int8's packed PTX two weights a
-    call, fp16 in the swap loop only)."""
+    call, fp16 in the swap loop only; 7, int4's pairs as q + z/s, fp16 in the swap loop only)."""
     base = (0, 1, 2) if dtype == "float16" else (0, 2)
     if bits == 4:
-        return base + (3, 4, 5)
+        return base + (3, 4, 5) + ((7,) if dtype == "float16" else ())
     return base + (6,) if dtype == "float16" else base
 
 
@@ -145,8 +150,8 @@ def names(families, splits, dtype: str, magic=None, *, bits: int = 8, group: int
                     continue  # the one-row int4 loop runs magic1 as magic0
                 if 3 <= m <= 5 and not (loop == "fma" and bits == 4):
                     continue  # the mantissa trick is the one-row int4 loop's alone
-                if m == 6 and loop != "swap":
-                    continue  # int8's pairs are the swap loop's fragment
+                if m in (6, 7) and loop != "swap":
+                    continue  # int8's and int4's pairs are the swap loop's fragment
                 if magic is None or m in magic:
                     out.append(name(dict(USE_DOT=int(loop != "fma"), SWAP=int(loop == "swap"),
                                          BLOCK_N=bn, BLOCK_K=bk, split_k=split, PREFETCH=pf,
@@ -199,16 +204,20 @@ def illegal(name_: str, rows: int, N: int, K: int, dtype: str, *, bits: int = 8,
     bucket = row_bucket(rows)
     if not kw["USE_DOT"] and rows != 1:
         return "the fma loop computes one row"
-    if kw["SWAP"] and rows == 1:
-        return "swap is for several rows"
+    if kw["SWAP"] and rows == 1 and kw["MAGIC"] != 7:
+        return "swap is for several rows (int4's magic7 aside)"
     if kw["MAGIC"] not in magics(dtype, bits):
         if kw["MAGIC"] == 6:
             return "magic6 (int8 pairs in PTX) makes fp16 from int8 only"
+        if kw["MAGIC"] == 7:
+            return "magic7 (int4 pairs as q + z/s) makes fp16 weights, from int4 only"
         if kw["MAGIC"] >= 3:
             return "magic3-5 (the fp32 mantissa trick) are int4's"
         return "magic1 (the Triton-op bit trick) makes fp16 only"
     if kw["MAGIC"] == 6 and not kw["SWAP"]:
         return "magic6 (int8 pairs in PTX) is for the swap loop"
+    if kw["MAGIC"] == 7 and not kw["SWAP"]:
+        return "magic7 (int4 pairs as q + z/s) is for the swap loop"
     if 3 <= kw["MAGIC"] <= 5 and kw["USE_DOT"]:
         return "magic3-5 (fp32 weights) are for the one-row loop"
     if bits == 4 and kw["MAGIC"] == 2 and kw["USE_DOT"] and dtype != "float16":

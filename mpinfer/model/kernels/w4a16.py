@@ -38,6 +38,9 @@ applies the group's scale and offset to the sum, one fma a weight instead of two
 the one-row loop is short of (its instructions, not its loads, set its pace: about 3 a weight
 against int8's 1.3). PREFETCH 1 makes the one-row loop take two groups
 an iteration (two independent weight loads in flight; Triton does not pipeline that loop).
+MAGIC 7 (the swap loop, fp16, from one row up) hands the tensor cores q alone, made from a
+fragment's byte pair as loaded in 1.5 instructions a weight, and applies each group's scale and
+offset to their sums: the tensor cores do the products a one-row loop spends instructions on.
 """
 
 from __future__ import annotations
@@ -96,8 +99,39 @@ lop3.b32 $7, t, 0x0000F000, 0x3F800000, 0xEA;
 }""")
 
 
+# Two packed bytes (four nibbles: two low, two high) as fp16 pairs of q (MAGIC=7, the swap loop,
+# fp16 only), from the tensor-core fragment's pair of adjacent K positions as loaded (no packing,
+# like int8's magic6): `prmt` puts byte j under lane j, one `lop3` a nibble ORs in the exponent
+# of 1024 (1024 + q low, 1024 + 16 q high), and a subtract or a multiply-add by 1/16 and -64
+# leaves q exactly: 1.5 instructions a weight, no scale or offset in them. The group's scale and
+# offset are applied to the tensor cores' sums instead, s * sum(q x) + z * sum(x), once per group
+# and output; sum(x), each row's sum over each group, is one small reduction before the launch
+# (`w4a16_matmul`), read by every program.
+_U4X2_TO_F16 = tl.constexpr("""{
+.reg .b32 u, t, a, b, k, m, c;
+mov.b32 k, 0x64006400;
+mov.b32 m, 0x2C002C00;
+mov.b32 c, 0xD400D400;
+cvt.u32.u16 u, $2;
+prmt.b32 t, u, 0, 0x4140;
+lop3.b32 a, t, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 b, t, 0x00F000F0, 0x64006400, 0xEA;
+sub.f16x2 $0, a, k;
+fma.rn.f16x2 $1, b, m, c;
+}""")
+
 # Under Triton's interpreter (launch.INTERPRETED) MAGIC 5 makes its mantissas in Triton ops
-# (MAGIC 3's way).
+# (MAGIC 3's way), and MAGIC 7 its q with Triton's casts.
+
+
+@triton.jit
+def _pairs(b):
+    """MAGIC 7: a (rows, G/2) tile of packed bytes as its two halves of q, exact in fp16."""
+    if INTERPRETED:
+        return (b & 0xF).to(tl.float16), (b >> 4).to(tl.float16)
+    return tl.inline_asm_elementwise(
+        _U4X2_TO_F16, "=r,=r,h", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=2
+    )
 
 
 @triton.jit
@@ -175,7 +209,7 @@ def _factored(b, s, z, x_lo, x_hi, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
 
 @triton.jit(do_not_specialize=["split_k"])
 def _w4a16(
-    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
+    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, xs_ptr,
     M, N, K, stride_xm, stride_ym, stride_rm, split_k,
     BLOCK_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
@@ -197,7 +231,13 @@ def _w4a16(
     n_ok = offs_n < N
     rows = tl.arange(0, BLOCK_N)
     first = (pid_n * BLOCK_N).to(tl.int64)  # 64-bit: N x K / 2 passes 2^31 for the big heads
-    w_ptrs = (w_ptr + first * (K // 2) + rows[:, None] * (K // 2) + g_lo * HALF
+    if MAGIC == 7:
+        # a row's bytes start 16-byte aligned (K is a multiple of 32: `w4a16_matmul`), so the
+        # tile's copies go in 16-byte pieces (the one-row loops compile to more instructions so)
+        row_bytes = tl.multiple_of(K // 2, 16)
+    else:
+        row_bytes = K // 2
+    w_ptrs = (w_ptr + first * row_bytes + rows[:, None] * row_bytes + g_lo * HALF
               + offs_h[None, :])  # (BLOCK_N, HALF)  # fmt: skip
     s_ptrs = s_ptr + g_lo * N + offs_n  # (BLOCK_N,): contiguous, the groups are rows
     z_ptrs = z_ptr + g_lo * N + offs_n
@@ -208,19 +248,49 @@ def _w4a16(
         m_ok = offs_m[None, :] < M
         xt_ptrs = x_ptr + offs_m[None, :] * stride_xm + (g_lo * BLOCK_K + offs_h)[:, None]
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for _ in range(g_lo, g_hi):
-            b = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
-            s = tl.load(s_ptrs, mask=n_ok, other=0.0)[:, None]
-            z = tl.load(z_ptrs, mask=n_ok, other=0.0)[:, None]
-            lo, hi = _nibbles(b, s, z, cdt, MAGIC)  # (BLOCK_N, HALF) each
-            x_lo = tl.load(xt_ptrs, mask=m_ok, other=0.0)  # (HALF, BLOCK_M)
-            x_hi = tl.load(xt_ptrs + HALF, mask=m_ok, other=0.0)
-            acc_t = tl.dot(lo, x_lo, acc_t)
-            acc_t = tl.dot(hi, x_hi, acc_t)  # (BLOCK_N, BLOCK_M)
-            w_ptrs += HALF
-            s_ptrs += N
-            z_ptrs += N
-            xt_ptrs += BLOCK_K
+        if MAGIC == 7:
+            # s * sum(q x) + z * sum(x) a group (the pairs' comment); each group's scales and
+            # offsets are loaded one group ahead (Triton pipelines only the dots' loads)
+            xs_ptrs = xs_ptr + offs_m * groups + g_lo  # (BLOCK_M,): row m's group sums
+            row_ok = offs_m < M
+            s_next = tl.load(s_ptrs, mask=n_ok, other=0.0).to(tl.float32)
+            z_next = tl.load(z_ptrs, mask=n_ok, other=0.0).to(tl.float32)
+            xs_next = tl.load(xs_ptrs, mask=row_ok, other=0.0)
+            for g in range(g_lo, g_hi):
+                b = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+                x_lo = tl.load(xt_ptrs, mask=m_ok, other=0.0)  # (HALF, BLOCK_M)
+                x_hi = tl.load(xt_ptrs + HALF, mask=m_ok, other=0.0)
+                s = s_next
+                z = z_next
+                xs = xs_next
+                more = tl.minimum(g_hi - g - 1, 1)  # 0 for the split's last group: none past it
+                s_next = tl.load(s_ptrs + N, mask=offs_n < N * more, other=0.0).to(tl.float32)
+                z_next = tl.load(z_ptrs + N, mask=offs_n < N * more, other=0.0).to(tl.float32)
+                xs_next = tl.load(xs_ptrs + 1, mask=offs_m < M * more, other=0.0)
+                lo, hi = _pairs(b)
+                qx = tl.dot(lo, x_lo)
+                qx = tl.dot(hi, x_hi, qx)
+                acc_t += qx * s[:, None]  # two fused multiply-adds an output
+                acc_t += z[:, None] * xs[None, :]
+                w_ptrs += HALF
+                s_ptrs += N
+                z_ptrs += N
+                xs_ptrs += 1
+                xt_ptrs += BLOCK_K
+        else:
+            for _ in range(g_lo, g_hi):
+                b = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+                s = tl.load(s_ptrs, mask=n_ok, other=0.0)[:, None]
+                z = tl.load(z_ptrs, mask=n_ok, other=0.0)[:, None]
+                lo, hi = _nibbles(b, s, z, cdt, MAGIC)  # (BLOCK_N, HALF) each
+                x_lo = tl.load(xt_ptrs, mask=m_ok, other=0.0)  # (HALF, BLOCK_M)
+                x_hi = tl.load(xt_ptrs + HALF, mask=m_ok, other=0.0)
+                acc_t = tl.dot(lo, x_lo, acc_t)
+                acc_t = tl.dot(hi, x_hi, acc_t)  # (BLOCK_N, BLOCK_M)
+                w_ptrs += HALF
+                s_ptrs += N
+                z_ptrs += N
+                xt_ptrs += BLOCK_K
         mask = n_ok[:, None] & m_ok
         n_idx = offs_n[:, None] + 0 * offs_m[None, :]
         reduce_and_finish(
@@ -315,6 +385,7 @@ def w4a16_matmul(
     N = packed.shape[0]
     group = K // scale.shape[0]
     assert packed.shape[1] * 2 == K and packed.dtype == torch.uint8 and packed.is_contiguous()
+    assert K % 32 == 0, f"int4: {K} inputs are not a multiple of 32 (rows of 16-byte pieces)"
     assert scale.shape == offset.shape == (K // group, N) and K % group == 0
     x = x.contiguous()
     if residual is not None:
@@ -323,9 +394,13 @@ def w4a16_matmul(
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     kw, warps, stages, grid = launch_plan(x, N, K, config, bits=4, group=group)
     ws, counters = device_scratch(x.device)
+    # magic7's sums of each row of x over each group (M, K / group), fp32
+    xs = (torch.sum(x.view(M, K // group, group), dim=2, dtype=torch.float32)
+          if kw["MAGIC"] == 7 else ws)  # fmt: skip
     _w4a16[grid](
         x, packed, scale.contiguous(), offset.contiguous(),
         bias if bias is not None else y, residual if residual is not None else y, y, ws, counters,
+        xs,
         M, N, K, x.stride(0), y.stride(0), residual.stride(0) if residual is not None else 0,
         kw["split_k"], HAS_BIAS=bias is not None, ACT=gelu, HAS_RES=residual is not None,
         **{k: v for k, v in kw.items() if k != "split_k"}, num_warps=warps, num_stages=stages,

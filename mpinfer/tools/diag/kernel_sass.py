@@ -29,20 +29,25 @@ from triton.compiler import ASTSource
 
 from ...model.kernels import tuning
 
-# Pointer arguments' element types (int4: packed bytes, fp16 scales and offsets).
+# Pointer arguments' element types (int4: packed bytes, fp16 scales and offsets, magic7's fp32
+# group sums of x).
 _POINTERS = {8: {"w_ptr": "*i8", "s_ptr": "*fp32"},
-             4: {"w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16"}}  # fmt: skip
+             4: {"w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16",
+                 "xs_ptr": "*fp32"}}  # fmt: skip
 _ALIGNED = ("_ptr", "N", "K", "stride")  # what a launch's values make multiples of 16
 
 
-def compile_config(config: str, *, bits: int = 8, arch: int = 90, group: int = 128):
+def compile_config(
+    config: str, *, bits: int = 8, arch: int = 90, group: int = 128, rows: int = tuning.SINGLE_TILE
+):
     """The compiled kernel (Triton's CompiledKernel) of `config` for GPUs of `arch`, fp16
-    activations, a bias, no GeLU or residual, whole K tiles."""
+    activations, a bias, no GeLU or residual, whole K tiles, for a launch of `rows` (a config
+    without BLOCK_M takes the rows' bucket's tile)."""
     from ...model.kernels import w4a16, w8a16
 
     kernel = w8a16._w8a16 if bits == 8 else w4a16._w4a16
     kw, warps, stages = tuning.parse(config)
-    kw = dict(kw, BLOCK_M=kw["BLOCK_M"] or tuning.SINGLE_TILE, BLOCK_K=kw["BLOCK_K"]
+    kw = dict(kw, BLOCK_M=tuning.block_m(kw, rows), BLOCK_K=kw["BLOCK_K"]
               if bits == 8 else group)  # fmt: skip
     names = list(inspect.signature(kernel.fn).parameters)
     fixed = dict(HAS_BIAS=True, ACT=False, HAS_RES=False, EVEN_K=True,
@@ -61,9 +66,11 @@ def compile_config(config: str, *, bits: int = 8, arch: int = 90, group: int = 1
                           options=dict(num_warps=warps, num_stages=stages))  # fmt: skip
 
 
-def loop_report(config: str, *, bits: int = 8, arch: int = 90) -> dict:
+def loop_report(
+    config: str, *, bits: int = 8, arch: int = 90, rows: int = tuning.SINGLE_TILE
+) -> dict:
     """Registers, spill bytes, shared memory, and the opcodes of the tensor-core loop."""
-    compiled = compile_config(config, bits=bits, arch=arch)
+    compiled = compile_config(config, bits=bits, arch=arch, rows=rows)
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as d:
         cubin = Path(d) / "k.cubin"  # assembled by Triton's own ptxas
@@ -92,9 +99,15 @@ def main() -> None:
     ap.add_argument("configs", nargs="+", help='config names, e.g. "swap n128 k64 split1 ..."')
     ap.add_argument("--bits", type=int, default=8, choices=(8, 4))
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90, 80")
+    ap.add_argument(
+        "--rows",
+        type=int,
+        default=tuning.SINGLE_TILE,
+        help="the launch's rows: a config without BLOCK_M tiles its bucket's",
+    )
     a = ap.parse_args()
     for config in a.configs:
-        r = loop_report(config, bits=a.bits, arch=a.arch)
+        r = loop_report(config, bits=a.bits, arch=a.arch, rows=a.rows)
         top = ", ".join(f"{k} {v}" for k, v in list(r["loop_ops"].items())[:12])
         print(f"{config} ({r['arch']}, Triton {r['triton']}): {r['registers']} registers, "
               f"{r['stack_bytes']} B of stack (spills), {r['shared_bytes']} B shared; loop "
