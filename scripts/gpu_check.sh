@@ -43,6 +43,7 @@
 #             the served unique mix at 32 clients (the load generator's requests sample)
 #   r11-int4  round 11: the int4 families' GPU tests, the one- and 16-row int4 launches re-tuned
 #             (MODELS4), bloom-7b1 int4 beside int8, BLOOM-176B int4 on a GPU of 120 GB or more
+#   ncu       Nsight Compute's counters of single matmul launches (NCU_RUNS, diag.matmul_profile)
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
 #   final     budget, int4, int4-176b, kernels, then the GPU tests
@@ -212,6 +213,17 @@ r11-int4)  # round 11: the int4 families' GPU tests (magic7 among them), the one
         TAIL=25 stage int4-176b "${INT4_176B_TIME:-110}" bench gpu --shape bloom-176b \
             --rows mpinfer-int4 --batches 1,8 --out "$RES/int4-176b.json"
     fi ;;
+ncu)  # Nsight Compute's counters of single launches (NCU_RUNS: ';'-separated argument lists of
+    # diag.matmul_profile: shape, rows, bits, configs)
+    IFS=';' read -ra runs <<< "${NCU_RUNS:?NCU_RUNS: e.g. --shape 12288x4096 --rows 512 CONFIG}"
+    for i in "${!runs[@]}"; do
+        eval "args=(${runs[$i]})"
+        TAIL=${NCU_TAIL:-60} stage "ncu-$i" "${NCU_TIME:-90}" ncu --profile-from-start off \
+            --clock-control none -k "regex:_w4a16|_w8a16|gemm|gemv|sm90|cutlass" \
+            --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+            --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+            python3 -m mpinfer.tools.diag.matmul_profile "${args[@]}"
+    done ;;
 r8-mix)
     for arm in "shipped7 --step-tokens 0 --dequant-rows 256" "capped --step-tokens 512"; do
         read -ra args <<< "$arm"
