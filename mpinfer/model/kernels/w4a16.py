@@ -41,6 +41,8 @@ an iteration (two independent weight loads in flight; Triton does not pipeline t
 MAGIC 7 (the swap loop, fp16, from one row up) hands the tensor cores q alone, made from a
 fragment's byte pair as loaded in 1.5 instructions a weight, and applies each group's scale and
 offset to their sums: the tensor cores do the products a one-row loop spends instructions on.
+On an H200 it won most 16-row launches; at one row magic5 stays faster (its loop keeps more
+warps on an SM: docs/performance.md, round 11).
 """
 
 from __future__ import annotations
