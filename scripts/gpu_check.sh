@@ -43,6 +43,8 @@
 #             the served unique mix at 32 clients (the load generator's requests sample)
 #   r11-int4  round 11: the int4 families' GPU tests, the one- and 16-row int4 launches re-tuned
 #             (MODELS4), bloom-7b1 int4 beside int8, BLOOM-176B int4 on a GPU of 120 GB or more
+#   r12-int4-ab  the shipped table against the same re-tuned at 16 rows (magic7), one machine,
+#             alternating decode benches (bloom-7b1; BLOOM-176B on a GPU of 120 GB or more)
 #   ncu       Nsight Compute's counters of single matmul launches (NCU_RUNS, diag.matmul_profile)
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
@@ -213,6 +215,22 @@ r11-int4)  # round 11: the int4 families' GPU tests (magic7 among them), the one
         TAIL=25 stage int4-176b "${INT4_176B_TIME:-110}" bench gpu --shape bloom-176b \
             --rows mpinfer-int4 --batches 1,8 --out "$RES/int4-176b.json"
     fi ;;
+r12-int4-ab)  # the shipped table against the same re-tuned at 16 rows (magic7 in the sweep), on
+    # one machine, alternating: bloom-7b1 int4 decode at 1 and 8, BLOOM-176B where it fits
+    cp "$table" /tmp/base.json
+    TAIL=4 stage tune-int4-16 "${TUNE4_TIME:-150}" bench kernels --tune "$table" --quant int4 \
+        --rows 16 --models "${MODELS4:-bloom-7b1,bloom-176b}" --out "$RES/tune-int4-16.json"
+    cp "$table" /tmp/tuned.json; cp "$table" "$RES/"
+    big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits)
+    i=0
+    for arm in base tuned base tuned; do
+        i=$((i + 1)); cp "/tmp/$arm.json" "$table"
+        TAIL=4 stage "ab$i-7b1-$arm" 60 bench gpu --shape bloom-7b1 --rows mpinfer-int4 \
+            --batches 1,8 --out "$RES/ab$i-7b1-$arm.json"
+        [ "$big" -gt 120000 ] && [ $i -le 2 ] && TAIL=4 stage "ab$i-176b-$arm" 110 bench gpu \
+            --shape bloom-176b --rows mpinfer-int4 --batches 1,8 --out "$RES/ab$i-176b-$arm.json"
+    done
+    cp /tmp/base.json "$table" ;;
 ncu)  # Nsight Compute's counters of single launches (NCU_RUNS: ';'-separated argument lists of
     # diag.matmul_profile: shape, rows, bits, configs)
     IFS=';' read -ra runs <<< "${NCU_RUNS:?NCU_RUNS: e.g. --shape 12288x4096 --rows 512 CONFIG}"
