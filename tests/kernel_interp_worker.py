@@ -68,7 +68,7 @@ def main() -> int:
                        (1, "fma n32 k128 split3 pf0 magic3 w4 s3"),
                        (1, "fma n16 k128 split2 pf1 magic3 w4 s3"),
                        (1, "fma n32 k128 split3 pf0 magic5 w4 s3"),
-                       (1, "fma n16 k128 split2 pf1 magic5 w4 s3"),
+                       (1, "fma n16 k128 split2 pf1 magic5 w4 s3 r80"),
                        (5, "dot n32 k128 split2 pf0 magic1 w4 s3"),
                        (20, "swap n64 k128 split1 pf0 magic0 w4 s4"),
                        (130, "dot n64 k128 split1 pf0 magic1 w4 s3 m64"),

@@ -51,6 +51,10 @@ def test_every_sweep_config_name_round_trips():
     assert "magic6" not in {n.split()[5] for n in bf16}
     assert {n.split()[2] for n in int4} == {"k64"}
     assert tuning.parse("swap n128 k64 split1 pf0 magic2 w8 s3 m128")[0]["BLOCK_M"] == 128
+    capped = tuning.parse("fma n64 k128 split8 pf1 magic5 w4 s3 r80")[0]
+    assert capped["MAXNREG"] == 80 and capped["PREFETCH"] == 1
+    assert any(n.endswith(" r80") for n in tuning.names(tuning.INT4_FAMILIES, (1,), "float16",
+                                                          bits=4))  # fmt: skip
 
 
 @pytest.mark.parametrize("bad", ["", "dot n64 k128", "mma n64 k128 split1 pf0 magic0 w4 s3",

@@ -108,6 +108,8 @@ def launch_plan(x: torch.Tensor, N: int, K: int, config: str | None, *, bits: in
         raise ValueError(f"config {config!r} cannot run {M} x {K} by {N} ({dtype}): {why}")
     kw, warps, stages = tuning.parse(config)
     kw = dict(kw, BLOCK_M=tuning.block_m(kw, M))
+    if regs := kw.pop("MAXNREG"):  # a launch option (registers a thread), not a meta-parameter
+        kw["maxnreg"] = regs
     n_tiles = triton.cdiv(N, kw["BLOCK_N"])
     m_tiles = triton.cdiv(M, kw["BLOCK_M"]) if kw["USE_DOT"] else 1
     assert kw["USE_DOT"] or M == 1, "the one-row loop picked for several rows"

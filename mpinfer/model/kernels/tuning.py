@@ -9,8 +9,9 @@ one-row elementwise loop), BLOCK_N, BLOCK_K, split-K, PREFETCH, MAGIC (how a qua
 becomes float: 0 the conversion unit via fp32, 1 the fp16 bit trick in Triton ops, fp16 only, 2
 the bit trick in packed PTX, int8 only; 3-5 int4's one-row tricks, 6 int8's pairs in PTX for
 the swap loop, 7 int4's pairs as q + z/s for the swap loop, its scale applied per group),
-num_warps, num_stages, and BLOCK_M (the rows a program owns; without it, the
-row bucket's size: 16, 32 or 64).
+num_warps, num_stages, BLOCK_M (the rows a program owns; without it, the row bucket's size: 16,
+32 or 64), and optionally "r80", the registers a thread may use (Triton's maxnreg: fewer, for
+more programs an SM).
 
 Both kernels (w8a16.py, w4a16.py) cover every row count a step can have with one family of
 loops: one row, tiles of up to 64 rows, and tiles of BLOCK_M rows repeated over the rows for
@@ -74,6 +75,11 @@ INT4_FAMILIES = [
     ("fma", 16, 128, 4, 3, 0, 0), ("fma", 32, 128, 4, 3, 0, 0), ("fma", 64, 128, 4, 3, 0, 0),
     ("fma", 16, 128, 4, 3, 1, 0), ("fma", 32, 128, 4, 3, 1, 0), ("fma", 128, 128, 4, 3, 0, 0),
     ("fma", 64, 128, 8, 3, 0, 0), ("fma", 128, 128, 8, 3, 0, 0), ("fma", 64, 128, 4, 3, 1, 0),
+    # Round 11: the one-row loop of two groups an iteration capped at 80 registers a thread (an
+    # eighth field: Triton's maxnreg; 96 uncapped), six programs an SM instead of five: Nsight
+    # Compute found it waiting on its loads with the warps its registers allow (compiled for
+    # sm_90a it spills nothing at 80; at 72 it does)
+    ("fma", 64, 128, 4, 3, 1, 0, 80),
     ("dot", 64, 128, 4, 4, 0, 0),
     ("dot", 32, 128, 4, 3, 0, 0), ("dot", 64, 128, 4, 3, 0, 0), ("swap", 64, 128, 4, 4, 0, 0),
     ("swap", 128, 128, 4, 3, 0, 0),
@@ -94,6 +100,7 @@ TILED_MAGIC = {"float16": (1, 2, 6), "bfloat16": (0, 2)}
 
 _NAME = re.compile(
     r"(dot|swap|fma) n(\d+) k(\d+) split(\d+) pf([01]) magic([0-7]) w(\d+) s(\d+)(?: m(\d+))?"
+    r"(?: r(\d+))?"
 )
 
 
@@ -105,16 +112,17 @@ def parse(name: str) -> tuple[dict, int, int]:
     if not m:
         raise ValueError(f"not a kernel config name: {name!r} (e.g. 'dot n64 k128 split4 pf0 "
                          "magic0 w4 s3')")  # fmt: skip
-    loop, bn, bk, split, pf, magic, w, s, bm = m.groups()
+    loop, bn, bk, split, pf, magic, w, s, bm, regs = m.groups()
     kw = dict(USE_DOT=int(loop != "fma"), SWAP=int(loop == "swap"), BLOCK_N=int(bn),
               BLOCK_K=int(bk), split_k=int(split), PREFETCH=int(pf), MAGIC=int(magic),
-              BLOCK_M=int(bm or 0))  # fmt: skip
+              BLOCK_M=int(bm or 0), MAXNREG=int(regs or 0))  # fmt: skip
     return kw, int(w), int(s)
 
 
 def name(kw: dict, num_warps: int, num_stages: int) -> str:
     loop = ("swap" if kw.get("SWAP") else "dot") if kw["USE_DOT"] else "fma"
     tail = f" m{kw['BLOCK_M']}" if kw.get("BLOCK_M") else ""
+    tail += f" r{kw['MAXNREG']}" if kw.get("MAXNREG") else ""
     return (f"{loop} n{kw['BLOCK_N']} k{kw['BLOCK_K']} split{kw['split_k']} pf{kw['PREFETCH']} "
             f"magic{kw.get('MAGIC', 0)} w{num_warps} s{num_stages}{tail}")  # fmt: skip
 
@@ -142,7 +150,7 @@ def names(families, splits, dtype: str, magic=None, *, bits: int = 8, group: int
     """Every config of these families and splits, with every conversion `dtype` allows (or
     those of `magic` only); int4 configs take BLOCK_K from the group size."""
     out = []
-    for loop, bn, bk, w, s, pf, bm in families:
+    for loop, bn, bk, w, s, pf, bm, *regs in families:
         bk = group if bits == 4 else bk
         for split in splits:
             for m in magics(dtype, bits):
@@ -155,7 +163,8 @@ def names(families, splits, dtype: str, magic=None, *, bits: int = 8, group: int
                 if magic is None or m in magic:
                     out.append(name(dict(USE_DOT=int(loop != "fma"), SWAP=int(loop == "swap"),
                                          BLOCK_N=bn, BLOCK_K=bk, split_k=split, PREFETCH=pf,
-                                         MAGIC=m, BLOCK_M=bm), w, s))  # fmt: skip
+                                         MAGIC=m, BLOCK_M=bm, MAXNREG=sum(regs)), w,
+                                    s))  # fmt: skip
     return out
 
 

@@ -50,6 +50,7 @@ def compile_config(
     kw = dict(kw, BLOCK_M=tuning.block_m(kw, rows), BLOCK_K=kw["BLOCK_K"]
               if bits == 8 else group)  # fmt: skip
     names = list(inspect.signature(kernel.fn).parameters)
+    regs = kw.pop("MAXNREG")  # a launch option ("r80"), not a meta-parameter
     fixed = dict(HAS_BIAS=True, ACT=False, HAS_RES=False, EVEN_K=True,
                  **{k: v for k, v in kw.items() if k != "split_k"})  # fmt: skip
     fixed = {k: v for k, v in fixed.items() if k in names}
@@ -63,7 +64,8 @@ def compile_config(
     src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in fixed.items()},
                     attrs=attrs)  # fmt: skip
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=warps, num_stages=stages))  # fmt: skip
+                          options=dict(num_warps=warps, num_stages=stages,
+                                       **({"maxnreg": regs} if regs else {})))  # fmt: skip
 
 
 def loop_report(
