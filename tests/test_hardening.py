@@ -54,9 +54,10 @@ def test_schema_driven_fuzzing_finds_no_server_error(hardened, tmp_path):
     print(f"\nfuzz: {cases['generated']} cases, {cases['with_failures']} with failures, "
           f"{cases['errored']} errored, {len(result['failures'])} failures")  # fmt: skip
     assert proc.returncode == 0 and not result["failures"], proc.stdout[-4000:]
-    # it did fuzz: how many cases 40 s holds is the machine's speed (500-odd on an idle 2-core
-    # CI machine, 223 on one busy with another test run), so the bar is what a slow run clears
-    assert cases["generated"] >= 100
+    # it did fuzz, every operation of the schema: how many cases its 40 s hold is the machine's
+    # speed (1,870 on an idle 2-core machine, 223 on a busy one), not something to assert
+    ops = result["operations"]
+    assert cases["generated"] > 0 and ops["tested"] == ops["selected"] > 0, ops
     assert httpx.get(hardened.url + "/health").status_code == 200
     assert greedy_answer(hardened) == before
     assert "Traceback" not in hardened.output()
