@@ -81,8 +81,8 @@ def main() -> int:
             y = w4a16.w4a16_matmul(x, p, s4, o4, b, gelu=True, residual=res, config=cfg)
             ok &= check(f"int4 sym={sym} {M} rows {cfg}", y,
                         fused(x.float() @ w.T + b.float(), True, res))  # fmt: skip
-    # magic7 where a group's offset is far past its range (|z|/s up to 2^19: z/s alone would
-    # overflow fp16) and where a group is constant: a weight moves by fp16's rounding at most
+    # magic7 where a group's offset is far past its range (z * sum(x) dwarfs s * sum(q x): a
+    # dropped or misplaced offset term shows) and where a group is constant
     w = torch.randn(N, K, generator=g)
     w[::7, 128:256] = 40 + 1e-3 * torch.randn(w[::7, 128:256].shape, generator=g)
     w[3, :128] = -2.5

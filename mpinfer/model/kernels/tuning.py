@@ -8,7 +8,7 @@ loop (dot: tensor cores; swap: tensor cores with the weight tile as the left ope
 one-row elementwise loop), BLOCK_N, BLOCK_K, split-K, PREFETCH, MAGIC (how a quantized weight
 becomes float: 0 the conversion unit via fp32, 1 the fp16 bit trick in Triton ops, fp16 only, 2
 the bit trick in packed PTX, int8 only; 3-5 int4's one-row tricks, 6 int8's pairs in PTX for
-the swap loop, 7 int4's pairs as q + z/s for the swap loop, its scale applied per group),
+the swap loop, 7 int4's pairs of exact q for the swap loop, scale and offset per group),
 num_warps, num_stages, BLOCK_M (the rows a program owns; without it, the row bucket's size: 16,
 32 or 64), and optionally "r80", the registers a thread may use (Triton's maxnreg: fewer, for
 more programs an SM).
@@ -77,8 +77,8 @@ INT4_FAMILIES = [
     ("fma", 64, 128, 8, 3, 0, 0), ("fma", 128, 128, 8, 3, 0, 0), ("fma", 64, 128, 4, 3, 1, 0),
     # Round 11: the one-row loop of two groups an iteration capped at 80 registers a thread (an
     # eighth field: Triton's maxnreg; 96 uncapped), six programs an SM instead of five: Nsight
-    # Compute found it waiting on its loads with the warps its registers allow (compiled for
-    # sm_90a it spills nothing at 80; at 72 it does)
+    # Compute found it waiting on its loads with the warps its registers allow (Triton 3.6
+    # compiles it for sm_90a with no spills at 80; at 72 it spills)
     ("fma", 64, 128, 4, 3, 1, 0, 80),
     ("dot", 64, 128, 4, 4, 0, 0),
     ("dot", 32, 128, 4, 3, 0, 0), ("dot", 64, 128, 4, 3, 0, 0), ("swap", 64, 128, 4, 4, 0, 0),
@@ -138,7 +138,7 @@ def magics(dtype: str, bits: int = 8) -> tuple[int, ...]:
     loop, fp16 only in the tensor-core loops, which `illegal` says; 3 and 4, int4's fp32
     mantissa trick in Triton ops and in PTX, and 5, the PTX one with the scale and offset applied
     once per run of eight weights: the one-row loop only; 6, int8's packed PTX two weights a
-    call, fp16 in the swap loop only; 7, int4's pairs as q + z/s, fp16 in the swap loop only)."""
+    call, fp16 in the swap loop only; 7, int4's pairs of exact q, fp16 in the swap loop only)."""
     base = (0, 1, 2) if dtype == "float16" else (0, 2)
     if bits == 4:
         return base + (3, 4, 5) + ((7,) if dtype == "float16" else ())
@@ -219,14 +219,14 @@ def illegal(name_: str, rows: int, N: int, K: int, dtype: str, *, bits: int = 8,
         if kw["MAGIC"] == 6:
             return "magic6 (int8 pairs in PTX) makes fp16 from int8 only"
         if kw["MAGIC"] == 7:
-            return "magic7 (int4 pairs as q + z/s) makes fp16 weights, from int4 only"
+            return "magic7 (int4 pairs of q) makes fp16 weights, from int4 only"
         if kw["MAGIC"] >= 3:
             return "magic3-5 (the fp32 mantissa trick) are int4's"
         return "magic1 (the Triton-op bit trick) makes fp16 only"
     if kw["MAGIC"] == 6 and not kw["SWAP"]:
         return "magic6 (int8 pairs in PTX) is for the swap loop"
     if kw["MAGIC"] == 7 and not kw["SWAP"]:
-        return "magic7 (int4 pairs as q + z/s) is for the swap loop"
+        return "magic7 (int4 pairs of q) is for the swap loop"
     if 3 <= kw["MAGIC"] <= 5 and kw["USE_DOT"]:
         return "magic3-5 (fp32 weights) are for the one-row loop"
     if bits == 4 and kw["MAGIC"] == 2 and kw["USE_DOT"] and dtype != "float16":
