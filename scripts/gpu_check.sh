@@ -45,6 +45,8 @@
 #             (MODELS4), bloom-7b1 int4 beside int8, BLOOM-176B int4 on a GPU of 120 GB or more
 #   r12-int4-ab  the shipped table against the same re-tuned at 16 rows (magic7), one machine,
 #             alternating decode benches (bloom-7b1; BLOOM-176B on a GPU of 120 GB or more)
+#   r12-magic8  int4's one-row loop in packed fp16: its family test, the one-row launches
+#             re-tuned, then the shipped table against the re-tuned one (bloom-7b1, BLOOM-176B)
 #   ncu       Nsight Compute's counters of single matmul launches (NCU_RUNS, diag.matmul_profile)
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
@@ -231,6 +233,24 @@ r12-int4-ab)  # the shipped table against the same re-tuned at 16 rows (magic7 i
             --shape bloom-176b --rows mpinfer-int4 --batches 1,8 --out "$RES/ab$i-176b-$arm.json"
     done
     cp /tmp/base.json "$table" ;;
+r12-magic8)  # round 12: int4's one-row loop in packed fp16 (magic8): its GPU family test, the
+    # one-row int4 launches re-tuned with it in the sweep (MODELS4), then the shipped table
+    # against the re-tuned one on this machine: bloom-7b1 int4 decode, BLOOM-176B where it fits
+    cp "$table" /tmp/base.json
+    TAIL=6 stage gpu-tests-magic8 "${TEST_TIME:-80}" env MPINFER_FAMILY_ONLY=magic8 gpu_tests \
+        -k "every_config_family and dtype0-4"
+    TAIL=30 stage tune-int4-1 "${TUNE4_TIME:-170}" bench kernels --tune "$table" --quant int4 \
+        --rows 1 --models "${MODELS4:-bloom-7b1,bloom-176b}" --out "$RES/tune-int4-1.json"
+    cp "$table" /tmp/tuned.json; cp "$table" "$RES/"
+    big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits)
+    for arm in tuned base; do
+        cp "/tmp/$arm.json" "$table"
+        TAIL=4 stage "7b1-$arm" 45 bench gpu --shape bloom-7b1 --rows mpinfer-int4 \
+            --batches 1,8 --out "$RES/7b1-$arm.json"
+        [ "$big" -gt 120000 ] && TAIL=4 stage "176b-$arm" 105 bench gpu --shape bloom-176b \
+            --rows mpinfer-int4 --batches 1,8 --out "$RES/176b-$arm.json"
+    done
+    cp /tmp/tuned.json "$table" ;;
 ncu)  # Nsight Compute's counters of single launches (NCU_RUNS: ';'-separated argument lists of
     # diag.matmul_profile: shape, rows, bits, configs)
     IFS=';' read -ra runs <<< "${NCU_RUNS:?NCU_RUNS: e.g. --shape 12288x4096 --rows 512 CONFIG}"

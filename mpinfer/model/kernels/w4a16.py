@@ -122,8 +122,76 @@ sub.f16x2 $0, a, k;
 fma.rn.f16x2 $1, b, m, c;
 }""")
 
+# Four words of packed bytes (32 weights of a row: a word's four low nibbles pair with four
+# consecutive halves of x's low half, its high nibbles with the same four of the high half)
+# times their activations, in packed fp16 (MAGIC=8, the one-row loop, fp16 only). Per word:
+# two `prmt` put bytes 0, 1 (then 2, 3) under the low byte of each 16-bit lane, one `lop3` a
+# nibble ORs in the exponent of 1024, a subtract (low: 1024 + q - 1032) or a multiply-add by
+# 1/16 and -72 (high: (1024 + 16 q) / 16 - 72) leaves q - 8 exactly (-8 ... 7), and one
+# `fma.f16x2` a pair multiplies it by x and adds it to one of two fp16 pair sums (words 0-1,
+# 2-3: eight products a lane). The four lanes, widened, are the outputs; their sum is the run's
+# sum of (q - 8) x. 1.9 instructions a weight, no scale or offset in them: the group's are
+# applied to the run's sums, s * sum((q - 8) x) + (z + 8 s) * sum(x). Centred, |q - 8| <= 8
+# keeps the fp16 sums 8 x 8 |x| from overflow to |x| ~ 1,000. Operands: $0-$3 the outputs,
+# $4-$7 the words, $8-$11 x's low halves (4 a 64-bit word), $12-$15 the high ones.
+# fmt: off
+_U4W_DOT = tl.constexpr("""{
+.reg .b32 t, a, c, k, m, n, s0, s1, xa, xb, xc, xd;
+.reg .b16 h0, h1, h2, h3;
+mov.b32 k, 0x64086408;
+mov.b32 m, 0x2C002C00;
+mov.b32 n, 0xD480D480;
+mov.b32 s0, 0;
+mov.b32 s1, 0;
+""" + "".join(f"""mov.b64 {{xa, xb}}, ${8 + i};
+mov.b64 {{xc, xd}}, ${12 + i};
+prmt.b32 t, ${4 + i}, 0, 0x4140;
+lop3.b32 a, t, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 c, t, 0x00F000F0, 0x64006400, 0xEA;
+sub.f16x2 a, a, k;
+fma.rn.f16x2 c, c, m, n;
+fma.rn.f16x2 s{i // 2}, a, xa, s{i // 2};
+fma.rn.f16x2 s{i // 2}, c, xc, s{i // 2};
+prmt.b32 t, ${4 + i}, 0, 0x4342;
+lop3.b32 a, t, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 c, t, 0x00F000F0, 0x64006400, 0xEA;
+sub.f16x2 a, a, k;
+fma.rn.f16x2 c, c, m, n;
+fma.rn.f16x2 s{i // 2}, a, xb, s{i // 2};
+fma.rn.f16x2 s{i // 2}, c, xd, s{i // 2};
+""" for i in range(4)) + """mov.b32 {h0, h1}, s0;
+mov.b32 {h2, h3}, s1;
+cvt.f32.f16 $0, h0;
+cvt.f32.f16 $1, h1;
+cvt.f32.f16 $2, h2;
+cvt.f32.f16 $3, h3;
+}""")
+
+# The same four words' activations summed (MAGIC=8's sum(x) of a run, shared by every row of a
+# thread): fp16 pair sums of words 0-1 and 2-3, widened. Operands: $0-$3 the outputs, $4-$7
+# x's low halves, $8-$11 the high ones.
+_X4W_SUM = tl.constexpr("""{
+.reg .b32 xa, xb, xc, xd, s0, s1;
+.reg .b16 h0, h1, h2, h3;
+mov.b32 s0, 0;
+mov.b32 s1, 0;
+""" + "".join(f"""mov.b64 {{xa, xb}}, ${4 + i};
+mov.b64 {{xc, xd}}, ${8 + i};
+add.f16x2 s{i // 2}, s{i // 2}, xa;
+add.f16x2 s{i // 2}, s{i // 2}, xb;
+add.f16x2 s{i // 2}, s{i // 2}, xc;
+add.f16x2 s{i // 2}, s{i // 2}, xd;
+""" for i in range(4)) + """mov.b32 {h0, h1}, s0;
+mov.b32 {h2, h3}, s1;
+cvt.f32.f16 $0, h0;
+cvt.f32.f16 $1, h1;
+cvt.f32.f16 $2, h2;
+cvt.f32.f16 $3, h3;
+}""")
+# fmt: on
+
 # Under Triton's interpreter (launch.INTERPRETED) MAGIC 5 makes its mantissas in Triton ops
-# (MAGIC 3's way), and MAGIC 7 its q with Triton's casts.
+# (MAGIC 3's way), MAGIC 7 its q with Triton's casts, and MAGIC 8 its words' sums in fp32.
 
 
 @triton.jit
@@ -207,6 +275,59 @@ def _factored(b, s, z, x_lo, x_hi, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
     x_s = xs_lo + xs_hi
     s32, z32 = s.to(tl.float32), z.to(tl.float32)  # (BLOCK_N, 1)
     return s32 * (128.0 * p_lo + 2048.0 * p_hi - x_w) + z32 * x_s
+
+
+# MAGIC 8 takes a row's bytes four at a time (32-bit words) and x four halves at a time (64-bit
+# words), in runs of WORD_RUN words (16 bytes: one load a row): the packed asm's unit.
+WORD_RUN = tl.constexpr(4)
+
+
+@triton.jit
+def _halves(x, j):
+    """Half j (0-3) of 64-bit words of x, as fp32 (MAGIC 8 under the interpreter)."""
+    return ((x >> (16 * j)) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _word_dots(w, xl, xh):
+    """MAGIC 8: (rows, words) of packed bytes (int32) and x's matching (1, words) low and high
+    halves (int64, four a word) as fp32 numbers whose sum over each run of WORD_RUN words is
+    the run's sum of (q - 8) x."""
+    if INTERPRETED:
+        acc = tl.zeros(w.shape, dtype=tl.float32)
+        for j in tl.static_range(4):
+            lo = ((w >> (8 * j)) & 0xF).to(tl.float32) - 8.0
+            hi = ((w >> (8 * j + 4)) & 0xF).to(tl.float32) - 8.0
+            acc += lo * _halves(xl, j) + hi * _halves(xh, j)
+        return acc
+    return tl.inline_asm_elementwise(_U4W_DOT, "=r,=r,=r,=r,r,r,r,r,l,l,l,l,l,l,l,l",
+                                     [w, xl, xh], dtype=tl.float32, is_pure=True,
+                                     pack=4)  # fmt: skip
+
+
+@triton.jit
+def _word_sums(xl, xh):
+    """MAGIC 8: (1, words) of x's low and high halves as fp32 numbers whose sum over each run
+    of WORD_RUN words is the run's sum of x."""
+    if INTERPRETED:
+        acc = tl.zeros(xl.shape, dtype=tl.float32)
+        for j in tl.static_range(4):
+            acc += _halves(xl, j) + _halves(xh, j)
+        return acc
+    return tl.inline_asm_elementwise(_X4W_SUM, "=r,=r,=r,=r,l,l,l,l,l,l,l,l", [xl, xh],
+                                     dtype=tl.float32, is_pure=True, pack=4)  # fmt: skip
+
+
+@triton.jit
+def _word_group(w, s, z, xl, xh, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    """A group's contribution to MAGIC 8's (BLOCK_N, runs) sums: s * sum((q - 8) x) + (z + 8 s)
+    * sum(x) a run, s and z (BLOCK_N,) fp16."""
+    RUNS: tl.constexpr = WORDS // WORD_RUN
+    p = tl.sum(tl.reshape(_word_dots(w, xl, xh), (BLOCK_N, RUNS, WORD_RUN)), axis=2)
+    xs = tl.sum(tl.reshape(_word_sums(xl, xh), (1, RUNS, WORD_RUN)), axis=2)
+    s32 = s.to(tl.float32)
+    z8 = z.to(tl.float32) + 8.0 * s32
+    return s32[:, None] * p + z8[:, None] * xs
 
 
 @triton.jit(do_not_specialize=["split_k"])
@@ -325,6 +446,41 @@ def _w4a16(
             acc, mask, n_idx, offs_m[:, None] * stride_ym + offs_n[None, :],
             offs_m[:, None] * stride_rm + offs_n[None, :], offs_m[:, None] * N + offs_n[None, :],
             tile, pid_k, split_k, M * N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
+            False, HAS_BIAS, ACT, HAS_RES,
+        )  # fmt: skip
+    elif MAGIC == 8:  # one row in packed fp16, words of four bytes (the asm's comment)
+        WORDS: tl.constexpr = HALF // 4
+        offs_w = tl.arange(0, WORDS)
+        words = tl.multiple_of(K // 8, 4)  # a row's 32-bit words (K % 32 == 0)
+        w32 = (w_ptr.to(tl.pointer_type(tl.int32)) + first * words + rows[:, None] * words
+               + g_lo * WORDS + offs_w[None, :])  # fmt: skip
+        x64 = x_ptr.to(tl.pointer_type(tl.int64)) + g_lo * (BLOCK_K // 4) + offs_w[None, :]
+        acc2 = tl.zeros((BLOCK_N, WORDS // WORD_RUN), dtype=tl.float32)
+        for g in range(g_lo, g_hi, 1 + PREFETCH):
+            b = tl.load(w32, mask=n_ok[:, None], other=0)
+            s = tl.load(s_ptrs, mask=n_ok, other=0.0)
+            z = tl.load(z_ptrs, mask=n_ok, other=0.0)
+            xl = tl.load(x64)
+            xh = tl.load(x64 + WORDS)
+            if PREFETCH:  # the next group too (zeros past the split: s = z = 0)
+                ok2 = offs_n < N * tl.minimum(g_hi - g - 1, 1)
+                b2 = tl.load(w32 + WORDS, mask=ok2[:, None], other=0)
+                s2 = tl.load(s_ptrs + N, mask=ok2, other=0.0)
+                z2 = tl.load(z_ptrs + N, mask=ok2, other=0.0)
+                x_ok = offs_w[None, :] < WORDS * tl.minimum(g_hi - g - 1, 1)
+                xl2 = tl.load(x64 + 2 * WORDS, mask=x_ok, other=0)
+                xh2 = tl.load(x64 + 3 * WORDS, mask=x_ok, other=0)
+            acc2 += _word_group(b, s, z, xl, xh, BLOCK_N, WORDS)
+            if PREFETCH:
+                acc2 += _word_group(b2, s2, z2, xl2, xh2, BLOCK_N, WORDS)
+            w32 += WORDS * (1 + PREFETCH)
+            s_ptrs += N * (1 + PREFETCH)
+            z_ptrs += N * (1 + PREFETCH)
+            x64 += 2 * WORDS * (1 + PREFETCH)
+        acc = tl.sum(acc2, axis=1)  # (BLOCK_N,)
+        reduce_and_finish(
+            acc, n_ok, offs_n, offs_n, offs_n, offs_n,
+            tile, pid_k, split_k, N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
             False, HAS_BIAS, ACT, HAS_RES,
         )  # fmt: skip
     else:  # one row (MAGIC 1, fp16 only, is MAGIC 0 here: its weights would be widened)
