@@ -42,7 +42,12 @@ MAGIC 7 (the swap loop, fp16, from one row up) hands the tensor cores q alone, m
 fragment's byte pair as loaded in 1.5 instructions a weight, and applies each group's scale and
 offset to their sums: the tensor cores do the products a one-row loop spends instructions on.
 On an H200 it won most 16-row launches; at one row magic5 stays faster (its loop keeps more
-warps on an SM: docs/performance.md, round 11).
+warps on an SM: docs/performance.md, round 11). MAGIC 8 (the one-row loop, fp16 only) does the
+products in packed fp16 instead: a row's bytes four at a time, q - 8 made exact in two fp16
+lanes and multiplied by a pair of x in one `fma.f16x2`, summed in fp16 over eight products a
+lane, the group's scale and offset applied to each run's sums (3.4 instructions a weight
+compiled for sm_90a, magic5 4.4); its PREFETCH 1 issues the next group's loads before this
+group's arithmetic instead of taking two groups an iteration.
 """
 
 from __future__ import annotations
@@ -133,32 +138,31 @@ fma.rn.f16x2 $1, b, m, c;
 # sum of (q - 8) x. 1.9 instructions a weight, no scale or offset in them: the group's are
 # applied to the run's sums, s * sum((q - 8) x) + (z + 8 s) * sum(x). Centred, |q - 8| <= 8
 # keeps the fp16 sums 8 x 8 |x| from overflow to |x| ~ 1,000. Operands: $0-$3 the outputs,
-# $4-$7 the words, $8-$11 x's low halves (4 a 64-bit word), $12-$15 the high ones.
+# $4-$7 the words, then x as fp16 pairs: $8-$11 halves 0-1 of each word's four low ones,
+# $12-$15 halves 2-3, $16-$19 and $20-$23 the same of the high ones.
 # fmt: off
 _U4W_DOT = tl.constexpr("""{
-.reg .b32 t, a, c, k, m, n, s0, s1, xa, xb, xc, xd;
+.reg .b32 t, a, c, k, m, n, s0, s1;
 .reg .b16 h0, h1, h2, h3;
 mov.b32 k, 0x64086408;
 mov.b32 m, 0x2C002C00;
 mov.b32 n, 0xD480D480;
 mov.b32 s0, 0;
 mov.b32 s1, 0;
-""" + "".join(f"""mov.b64 {{xa, xb}}, ${8 + i};
-mov.b64 {{xc, xd}}, ${12 + i};
-prmt.b32 t, ${4 + i}, 0, 0x4140;
+""" + "".join(f"""prmt.b32 t, ${4 + i}, 0, 0x4140;
 lop3.b32 a, t, 0x000F000F, 0x64006400, 0xEA;
 lop3.b32 c, t, 0x00F000F0, 0x64006400, 0xEA;
 sub.f16x2 a, a, k;
 fma.rn.f16x2 c, c, m, n;
-fma.rn.f16x2 s{i // 2}, a, xa, s{i // 2};
-fma.rn.f16x2 s{i // 2}, c, xc, s{i // 2};
+fma.rn.f16x2 s{i // 2}, a, ${8 + i}, s{i // 2};
+fma.rn.f16x2 s{i // 2}, c, ${16 + i}, s{i // 2};
 prmt.b32 t, ${4 + i}, 0, 0x4342;
 lop3.b32 a, t, 0x000F000F, 0x64006400, 0xEA;
 lop3.b32 c, t, 0x00F000F0, 0x64006400, 0xEA;
 sub.f16x2 a, a, k;
 fma.rn.f16x2 c, c, m, n;
-fma.rn.f16x2 s{i // 2}, a, xb, s{i // 2};
-fma.rn.f16x2 s{i // 2}, c, xd, s{i // 2};
+fma.rn.f16x2 s{i // 2}, a, ${12 + i}, s{i // 2};
+fma.rn.f16x2 s{i // 2}, c, ${20 + i}, s{i // 2};
 """ for i in range(4)) + """mov.b32 {h0, h1}, s0;
 mov.b32 {h2, h3}, s1;
 cvt.f32.f16 $0, h0;
@@ -168,19 +172,17 @@ cvt.f32.f16 $3, h3;
 }""")
 
 # The same four words' activations summed (MAGIC=8's sum(x) of a run, shared by every row of a
-# thread): fp16 pair sums of words 0-1 and 2-3, widened. Operands: $0-$3 the outputs, $4-$7
-# x's low halves, $8-$11 the high ones.
+# thread): fp16 pair sums of words 0-1 and 2-3, widened. Operands: $0-$3 the outputs, $4-$19
+# x's pairs as in _U4W_DOT.
 _X4W_SUM = tl.constexpr("""{
-.reg .b32 xa, xb, xc, xd, s0, s1;
+.reg .b32 s0, s1;
 .reg .b16 h0, h1, h2, h3;
 mov.b32 s0, 0;
 mov.b32 s1, 0;
-""" + "".join(f"""mov.b64 {{xa, xb}}, ${4 + i};
-mov.b64 {{xc, xd}}, ${8 + i};
-add.f16x2 s{i // 2}, s{i // 2}, xa;
-add.f16x2 s{i // 2}, s{i // 2}, xb;
-add.f16x2 s{i // 2}, s{i // 2}, xc;
-add.f16x2 s{i // 2}, s{i // 2}, xd;
+""" + "".join(f"""add.f16x2 s{i // 2}, s{i // 2}, ${4 + i};
+add.f16x2 s{i // 2}, s{i // 2}, ${8 + i};
+add.f16x2 s{i // 2}, s{i // 2}, ${12 + i};
+add.f16x2 s{i // 2}, s{i // 2}, ${16 + i};
 """ for i in range(4)) + """mov.b32 {h0, h1}, s0;
 mov.b32 {h2, h3}, s1;
 cvt.f32.f16 $0, h0;
@@ -189,6 +191,8 @@ cvt.f32.f16 $2, h2;
 cvt.f32.f16 $3, h3;
 }""")
 # fmt: on
+_U4W_DOT_REGS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 20))
+_X4W_SUM_REGS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 16))
 
 # Under Triton's interpreter (launch.INTERPRETED) MAGIC 5 makes its mantissas in Triton ops
 # (MAGIC 3's way), MAGIC 7 its q with Triton's casts, and MAGIC 8 its words' sums in fp32.
@@ -289,6 +293,13 @@ def _halves(x, j):
 
 
 @triton.jit
+def _pair(x, j):
+    """Pair j (0: halves 0-1, 1: halves 2-3) of 64-bit words of four fp16 halves, as 32-bit
+    words (a register each: no 64-bit operand for the asm to unpack per row)."""
+    return ((x >> (32 * j)) & 0xFFFFFFFF).to(tl.int32)
+
+
+@triton.jit
 def _word_dots(w, xl, xh):
     """MAGIC 8: (rows, words) of packed bytes (int32) and x's matching (1, words) low and high
     halves (int64, four a word) as fp32 numbers whose sum over each run of WORD_RUN words is
@@ -300,9 +311,11 @@ def _word_dots(w, xl, xh):
             hi = ((w >> (8 * j + 4)) & 0xF).to(tl.float32) - 8.0
             acc += lo * _halves(xl, j) + hi * _halves(xh, j)
         return acc
-    return tl.inline_asm_elementwise(_U4W_DOT, "=r,=r,=r,=r,r,r,r,r,l,l,l,l,l,l,l,l",
-                                     [w, xl, xh], dtype=tl.float32, is_pure=True,
-                                     pack=4)  # fmt: skip
+    return tl.inline_asm_elementwise(
+        _U4W_DOT, _U4W_DOT_REGS,
+        [w, _pair(xl, 0), _pair(xl, 1), _pair(xh, 0), _pair(xh, 1)], dtype=tl.float32,
+        is_pure=True, pack=4,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -314,8 +327,11 @@ def _word_sums(xl, xh):
         for j in tl.static_range(4):
             acc += _halves(xl, j) + _halves(xh, j)
         return acc
-    return tl.inline_asm_elementwise(_X4W_SUM, "=r,=r,=r,=r,l,l,l,l,l,l,l,l", [xl, xh],
-                                     dtype=tl.float32, is_pure=True, pack=4)  # fmt: skip
+    return tl.inline_asm_elementwise(
+        _X4W_SUM, _X4W_SUM_REGS,
+        [_pair(xl, 0), _pair(xl, 1), _pair(xh, 0), _pair(xh, 1)], dtype=tl.float32,
+        is_pure=True, pack=4,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -456,27 +472,42 @@ def _w4a16(
                + g_lo * WORDS + offs_w[None, :])  # fmt: skip
         x64 = x_ptr.to(tl.pointer_type(tl.int64)) + g_lo * (BLOCK_K // 4) + offs_w[None, :]
         acc2 = tl.zeros((BLOCK_N, WORDS // WORD_RUN), dtype=tl.float32)
-        for g in range(g_lo, g_hi, 1 + PREFETCH):
+        # Each iteration issues the next group's loads before its own arithmetic (PREFETCH 1:
+        # the words, x, scales and offsets, carried as 32- and 64-bit words; 0: the scales and
+        # offsets), so no load waits behind the arithmetic of the group it feeds.
+        s = tl.load(s_ptrs, mask=n_ok, other=0.0)
+        z = tl.load(z_ptrs, mask=n_ok, other=0.0)
+        if PREFETCH:
             b = tl.load(w32, mask=n_ok[:, None], other=0)
-            s = tl.load(s_ptrs, mask=n_ok, other=0.0)
-            z = tl.load(z_ptrs, mask=n_ok, other=0.0)
             xl = tl.load(x64)
             xh = tl.load(x64 + WORDS)
-            if PREFETCH:  # the next group too (zeros past the split: s = z = 0)
-                ok2 = offs_n < N * tl.minimum(g_hi - g - 1, 1)
-                b2 = tl.load(w32 + WORDS, mask=ok2[:, None], other=0)
-                s2 = tl.load(s_ptrs + N, mask=ok2, other=0.0)
-                z2 = tl.load(z_ptrs + N, mask=ok2, other=0.0)
-                x_ok = offs_w[None, :] < WORDS * tl.minimum(g_hi - g - 1, 1)
-                xl2 = tl.load(x64 + 2 * WORDS, mask=x_ok, other=0)
-                xh2 = tl.load(x64 + 3 * WORDS, mask=x_ok, other=0)
-            acc2 += _word_group(b, s, z, xl, xh, BLOCK_N, WORDS)
+        for g in range(g_lo, g_hi):
+            more = tl.minimum(g_hi - g - 1, 1)  # 0 at the split's last group: none past it
+            nxt = offs_n < N * more
+            if not PREFETCH:
+                b = tl.load(w32, mask=n_ok[:, None], other=0)
+                xl = tl.load(x64)
+                xh = tl.load(x64 + WORDS)
+            w32 += WORDS  # the pointers move to the next group before its loads
+            x64 += 2 * WORDS
+            s_ptrs += N
+            z_ptrs += N
+            s_n = tl.load(s_ptrs, mask=nxt, other=0.0)
+            z_n = tl.load(z_ptrs, mask=nxt, other=0.0)
             if PREFETCH:
-                acc2 += _word_group(b2, s2, z2, xl2, xh2, BLOCK_N, WORDS)
-            w32 += WORDS * (1 + PREFETCH)
-            s_ptrs += N * (1 + PREFETCH)
-            z_ptrs += N * (1 + PREFETCH)
-            x64 += 2 * WORDS * (1 + PREFETCH)
+                b_n = tl.load(w32, mask=nxt[:, None], other=0)
+                # past the split's last group, that group's x again: in bounds, and unmasked,
+                # so the loads keep the layout of the words they pair with
+                x_n = x64 - 2 * WORDS * (1 - more)
+                xl_n = tl.load(x_n)
+                xh_n = tl.load(x_n + WORDS)
+            acc2 += _word_group(b, s, z, xl, xh, BLOCK_N, WORDS)
+            s = s_n
+            z = z_n
+            if PREFETCH:
+                b = b_n
+                xl = xl_n
+                xh = xh_n
         acc = tl.sum(acc2, axis=1)  # (BLOCK_N,)
         reduce_and_finish(
             acc, n_ok, offs_n, offs_n, offs_n, offs_n,
