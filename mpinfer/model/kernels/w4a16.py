@@ -131,35 +131,36 @@ fma.rn.f16x2 $1, b, m, c;
 # consecutive halves of x's low half, its high nibbles with the same four of the high half)
 # times their activations, in packed fp16 (MAGIC=8, the one-row loop, fp16 only). Per word:
 # two `prmt` put bytes 0, 1 (then 2, 3) under the low byte of each 16-bit lane, one `lop3` a
-# nibble ORs in the exponent of 1024, a subtract (low: 1024 + q - 1032) or a multiply-add by
-# 1/16 and -72 (high: (1024 + 16 q) / 16 - 72) leaves q - 8 exactly (-8 ... 7), and one
-# `fma.f16x2` a pair multiplies it by x and adds it to one of two fp16 pair sums (words 0-1,
-# 2-3: eight products a lane). The four lanes, widened, are the outputs; their sum is the run's
-# sum of (q - 8) x. 1.9 instructions a weight, no scale or offset in them: the group's are
-# applied to the run's sums, s * sum((q - 8) x) + (z + 8 s) * sum(x). Centred, |q - 8| <= 8
-# keeps the fp16 sums 8 x 8 |x| from overflow to |x| ~ 1,000. Operands: $0-$3 the outputs,
+# nibble ORs in the exponent of 1024, and a multiply-add leaves u = (q - 8) / 16 exactly (low:
+# (1024 + q) / 16 - 64.5; high: (1024 + 16 q) / 256 - 4.5), and one `fma.f16x2` a pair
+# multiplies it by x and adds it to one of two fp16 pair sums (words 0-1, 2-3: eight products a
+# lane). The four lanes, widened, are the outputs; their sum is the run's sum of u x. 1.9
+# instructions a weight, no scale or offset in them: the group's are applied to the run's sums,
+# 16 s * sum(u x) + 16 (z + 8 s) * sum(x / 16). Centred and scaled, |u| <= 1/2 keeps the fp16
+# sums (8 |x| / 2 at most) from overflow for any |x| under 16,000. Operands: $0-$3 the outputs,
 # $4-$7 the words, then x as fp16 pairs: $8-$11 halves 0-1 of each word's four low ones,
 # $12-$15 halves 2-3, $16-$19 and $20-$23 the same of the high ones.
 # fmt: off
 _U4W_DOT = tl.constexpr("""{
-.reg .b32 t, a, c, k, m, n, s0, s1;
+.reg .b32 t, a, c, k, m, n, o, s0, s1;
 .reg .b16 h0, h1, h2, h3;
-mov.b32 k, 0x64086408;
-mov.b32 m, 0x2C002C00;
-mov.b32 n, 0xD480D480;
+mov.b32 k, 0x2C002C00;
+mov.b32 o, 0xD408D408;
+mov.b32 m, 0x1C001C00;
+mov.b32 n, 0xC480C480;
 mov.b32 s0, 0;
 mov.b32 s1, 0;
 """ + "".join(f"""prmt.b32 t, ${4 + i}, 0, 0x4140;
 lop3.b32 a, t, 0x000F000F, 0x64006400, 0xEA;
 lop3.b32 c, t, 0x00F000F0, 0x64006400, 0xEA;
-sub.f16x2 a, a, k;
+fma.rn.f16x2 a, a, k, o;
 fma.rn.f16x2 c, c, m, n;
 fma.rn.f16x2 s{i // 2}, a, ${8 + i}, s{i // 2};
 fma.rn.f16x2 s{i // 2}, c, ${16 + i}, s{i // 2};
 prmt.b32 t, ${4 + i}, 0, 0x4342;
 lop3.b32 a, t, 0x000F000F, 0x64006400, 0xEA;
 lop3.b32 c, t, 0x00F000F0, 0x64006400, 0xEA;
-sub.f16x2 a, a, k;
+fma.rn.f16x2 a, a, k, o;
 fma.rn.f16x2 c, c, m, n;
 fma.rn.f16x2 s{i // 2}, a, ${12 + i}, s{i // 2};
 fma.rn.f16x2 s{i // 2}, c, ${20 + i}, s{i // 2};
@@ -171,18 +172,19 @@ cvt.f32.f16 $2, h2;
 cvt.f32.f16 $3, h3;
 }""")
 
-# The same four words' activations summed (MAGIC=8's sum(x) of a run, shared by every row of a
-# thread): fp16 pair sums of words 0-1 and 2-3, widened. Operands: $0-$3 the outputs, $4-$19
+# The same four words' activations summed (MAGIC=8's sum(x / 16) of a run, shared by every row
+# of a thread): fp16 pair sums of words 0-1 and 2-3, widened. Operands: $0-$3 the outputs, $4-$19
 # x's pairs as in _U4W_DOT.
 _X4W_SUM = tl.constexpr("""{
-.reg .b32 s0, s1;
+.reg .b32 k, s0, s1;
 .reg .b16 h0, h1, h2, h3;
+mov.b32 k, 0x2C002C00;
 mov.b32 s0, 0;
 mov.b32 s1, 0;
-""" + "".join(f"""add.f16x2 s{i // 2}, s{i // 2}, ${4 + i};
-add.f16x2 s{i // 2}, s{i // 2}, ${8 + i};
-add.f16x2 s{i // 2}, s{i // 2}, ${12 + i};
-add.f16x2 s{i // 2}, s{i // 2}, ${16 + i};
+""" + "".join(f"""fma.rn.f16x2 s{i // 2}, ${4 + i}, k, s{i // 2};
+fma.rn.f16x2 s{i // 2}, ${8 + i}, k, s{i // 2};
+fma.rn.f16x2 s{i // 2}, ${12 + i}, k, s{i // 2};
+fma.rn.f16x2 s{i // 2}, ${16 + i}, k, s{i // 2};
 """ for i in range(4)) + """mov.b32 {h0, h1}, s0;
 mov.b32 {h2, h3}, s1;
 cvt.f32.f16 $0, h0;
@@ -303,14 +305,14 @@ def _pair(x, j):
 def _word_dots(w, xl, xh):
     """MAGIC 8: (rows, words) of packed bytes (int32) and x's matching (1, words) low and high
     halves (int64, four a word) as fp32 numbers whose sum over each run of WORD_RUN words is
-    the run's sum of (q - 8) x."""
+    the run's sum of (q - 8) / 16 * x."""
     if INTERPRETED:
         acc = tl.zeros(w.shape, dtype=tl.float32)
         for j in tl.static_range(4):
             lo = ((w >> (8 * j)) & 0xF).to(tl.float32) - 8.0
             hi = ((w >> (8 * j + 4)) & 0xF).to(tl.float32) - 8.0
             acc += lo * _halves(xl, j) + hi * _halves(xh, j)
-        return acc
+        return acc * 0.0625
     return tl.inline_asm_elementwise(
         _U4W_DOT, _U4W_DOT_REGS,
         [w, _pair(xl, 0), _pair(xl, 1), _pair(xh, 0), _pair(xh, 1)], dtype=tl.float32,
@@ -321,12 +323,12 @@ def _word_dots(w, xl, xh):
 @triton.jit
 def _word_sums(xl, xh):
     """MAGIC 8: (1, words) of x's low and high halves as fp32 numbers whose sum over each run
-    of WORD_RUN words is the run's sum of x."""
+    of WORD_RUN words is the run's sum of x / 16."""
     if INTERPRETED:
         acc = tl.zeros(xl.shape, dtype=tl.float32)
         for j in tl.static_range(4):
             acc += _halves(xl, j) + _halves(xh, j)
-        return acc
+        return acc * 0.0625
     return tl.inline_asm_elementwise(
         _X4W_SUM, _X4W_SUM_REGS,
         [_pair(xl, 0), _pair(xl, 1), _pair(xh, 0), _pair(xh, 1)], dtype=tl.float32,
@@ -336,14 +338,14 @@ def _word_sums(xl, xh):
 
 @triton.jit
 def _word_group(w, s, z, xl, xh, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
-    """A group's contribution to MAGIC 8's (BLOCK_N, runs) sums: s * sum((q - 8) x) + (z + 8 s)
-    * sum(x) a run, s and z (BLOCK_N,) fp16."""
+    """A group's contribution to MAGIC 8's (BLOCK_N, runs) sums: 16 s * sum((q - 8) / 16 * x)
+    + 16 (z + 8 s) * sum(x / 16) a run, s and z (BLOCK_N,) fp16."""
     RUNS: tl.constexpr = WORDS // WORD_RUN
     p = tl.sum(tl.reshape(_word_dots(w, xl, xh), (BLOCK_N, RUNS, WORD_RUN)), axis=2)
     xs = tl.sum(tl.reshape(_word_sums(xl, xh), (1, RUNS, WORD_RUN)), axis=2)
-    s32 = s.to(tl.float32)
-    z8 = z.to(tl.float32) + 8.0 * s32
-    return s32[:, None] * p + z8[:, None] * xs
+    s16 = s.to(tl.float32) * 16.0
+    z16 = z.to(tl.float32) * 16.0 + 8.0 * s16
+    return s16[:, None] * p + z16[:, None] * xs
 
 
 @triton.jit(do_not_specialize=["split_k"])
