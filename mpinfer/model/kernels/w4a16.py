@@ -45,9 +45,8 @@ On an H200 it won most 16-row launches; at one row magic5 stays faster (its loop
 warps on an SM: docs/performance.md, round 11). MAGIC 8 (the one-row loop, fp16 only) does the
 products in packed fp16 instead: a row's bytes four at a time, q - 8 made exact in two fp16
 lanes and multiplied by a pair of x in one `fma.f16x2`, summed in fp16 over eight products a
-lane, the group's scale and offset applied to each run's sums (3.4 instructions a weight
-compiled for sm_90a, magic5 4.4); its PREFETCH 1 issues the next group's loads before this
-group's arithmetic instead of taking two groups an iteration.
+lane, the group's scale and offset applied to each run's sums (3.5 instructions a weight
+compiled for sm_90a, magic5 4.4).
 """
 
 from __future__ import annotations
@@ -337,15 +336,16 @@ def _word_sums(xl, xh):
 
 
 @triton.jit
-def _word_group(w, s, z, xl, xh, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
-    """A group's contribution to MAGIC 8's (BLOCK_N, runs) sums: 16 s * sum((q - 8) / 16 * x)
-    + 16 (z + 8 s) * sum(x / 16) a run, s and z (BLOCK_N,) fp16."""
+def _word_group(w, s, z, xl, xh, BLOCK_N: tl.constexpr, GP: tl.constexpr, WORDS: tl.constexpr):
+    """GP groups' contribution to MAGIC 8's (BLOCK_N, GP, runs) sums: 16 s * sum((q - 8) / 16
+    * x) + 16 (z + 8 s) * sum(x / 16) a run; w (BLOCK_N, GP, WORDS), x's (1, GP, WORDS), s and
+    z (BLOCK_N, GP) fp16."""
     RUNS: tl.constexpr = WORDS // WORD_RUN
-    p = tl.sum(tl.reshape(_word_dots(w, xl, xh), (BLOCK_N, RUNS, WORD_RUN)), axis=2)
-    xs = tl.sum(tl.reshape(_word_sums(xl, xh), (1, RUNS, WORD_RUN)), axis=2)
+    p = tl.sum(tl.reshape(_word_dots(w, xl, xh), (BLOCK_N, GP, RUNS, WORD_RUN)), axis=3)
+    xs = tl.sum(tl.reshape(_word_sums(xl, xh), (1, GP, RUNS, WORD_RUN)), axis=3)
     s16 = s.to(tl.float32) * 16.0
     z16 = z.to(tl.float32) * 16.0 + 8.0 * s16
-    return s16[:, None] * p + z16[:, None] * xs
+    return s16[:, :, None] * p + z16[:, :, None] * xs
 
 
 @triton.jit(do_not_specialize=["split_k"])
@@ -467,49 +467,35 @@ def _w4a16(
             False, HAS_BIAS, ACT, HAS_RES,
         )  # fmt: skip
     elif MAGIC == 8:  # one row in packed fp16, words of four bytes (the asm's comment)
+        # GP groups an iteration (PREFETCH 1: two) as one (BLOCK_N, GP, WORDS) tile: a row's
+        # GP groups are adjacent, so their words are one run of loads issued together. No masks
+        # in the loop: rows past N read row N - 1 (their sums are not stored), and a split's
+        # missing last group of GP reads its first again with its scale and offset zeroed.
         WORDS: tl.constexpr = HALF // 4
-        offs_w = tl.arange(0, WORDS)
+        GP: tl.constexpr = 1 + PREFETCH
+        offs_w = tl.arange(0, WORDS)[None, None, :]
+        grp = tl.arange(0, GP)
         words = tl.multiple_of(K // 8, 4)  # a row's 32-bit words (K % 32 == 0)
-        w32 = (w_ptr.to(tl.pointer_type(tl.int32)) + first * words + rows[:, None] * words
-               + g_lo * WORDS + offs_w[None, :])  # fmt: skip
-        x64 = x_ptr.to(tl.pointer_type(tl.int64)) + g_lo * (BLOCK_K // 4) + offs_w[None, :]
-        acc2 = tl.zeros((BLOCK_N, WORDS // WORD_RUN), dtype=tl.float32)
-        # Each iteration issues the next group's loads before its own arithmetic (PREFETCH 1:
-        # the words, x, scales and offsets, carried as 32- and 64-bit words; 0: the scales and
-        # offsets), so no load waits behind the arithmetic of the group it feeds.
-        s = tl.load(s_ptrs, mask=n_ok, other=0.0)
-        z = tl.load(z_ptrs, mask=n_ok, other=0.0)
-        if PREFETCH:
-            b = tl.load(w32, mask=n_ok[:, None], other=0)
-            xl = tl.load(x64)
-            xh = tl.load(x64 + WORDS)
-        for g in range(g_lo, g_hi):
-            more = tl.minimum(g_hi - g - 1, 1)  # 0 at the split's last group: none past it
-            nxt = offs_n < N * more
-            if not PREFETCH:
-                b = tl.load(w32, mask=n_ok[:, None], other=0)
-                xl = tl.load(x64)
-                xh = tl.load(x64 + WORDS)
-            w32 += WORDS  # the pointers move to the next group before its loads
-            x64 += 2 * WORDS
-            s_ptrs += N
-            z_ptrs += N
-            s_n = tl.load(s_ptrs, mask=nxt, other=0.0)
-            z_n = tl.load(z_ptrs, mask=nxt, other=0.0)
-            if PREFETCH:
-                b_n = tl.load(w32, mask=nxt[:, None], other=0)
-                # past the split's last group, that group's x again: in bounds, and unmasked,
-                # so the loads keep the layout of the words they pair with
-                x_n = x64 - 2 * WORDS * (1 - more)
-                xl_n = tl.load(x_n)
-                xh_n = tl.load(x_n + WORDS)
-            acc2 += _word_group(b, s, z, xl, xh, BLOCK_N, WORDS)
-            s = s_n
-            z = z_n
-            if PREFETCH:
-                b = b_n
-                xl = xl_n
-                xh = xh_n
+        rows_c = tl.minimum(offs_n, N - 1).to(tl.int64)
+        w32 = (w_ptr.to(tl.pointer_type(tl.int32)) + rows_c[:, None, None] * words
+               + g_lo * WORDS + offs_w)  # fmt: skip
+        x64 = x_ptr.to(tl.pointer_type(tl.int64)) + g_lo * (BLOCK_K // 4) + offs_w
+        sz = g_lo * N + rows_c[:, None]  # (BLOCK_N, 1): scales' and offsets' offsets
+        acc3 = tl.zeros((BLOCK_N, GP, WORDS // WORD_RUN), dtype=tl.float32)
+        for g in range(g_lo, g_hi, GP):
+            last = tl.minimum(g_hi - g, GP) - 1  # the tile's last real group
+            gi = tl.minimum(grp, last)
+            b = tl.load(w32 + gi[None, :, None] * WORDS)
+            xl = tl.load(x64 + gi[None, :, None] * (2 * WORDS))
+            xh = tl.load(x64 + gi[None, :, None] * (2 * WORDS) + WORDS)
+            keep = (grp <= last)[None, :]
+            s = tl.where(keep, tl.load(s_ptr + sz + gi[None, :] * N), 0.0)
+            z = tl.where(keep, tl.load(z_ptr + sz + gi[None, :] * N), 0.0)
+            acc3 += _word_group(b, s, z, xl, xh, BLOCK_N, GP, WORDS)
+            w32 += GP * WORDS
+            x64 += GP * 2 * WORDS
+            sz += GP * N
+        acc2 = tl.sum(acc3, axis=2)
         acc = tl.sum(acc2, axis=1)  # (BLOCK_N,)
         reduce_and_finish(
             acc, n_ok, offs_n, offs_n, offs_n, offs_n,
