@@ -81,9 +81,10 @@ INT4_FAMILIES = [
     # Compute found it waiting on its loads with the warps its registers allow (Triton 3.6
     # compiles it for sm_90a with no spills at 80; at 72 it spills)
     ("fma", 64, 128, 4, 3, 1, 0, 80),
-    # Round 12: two rows a thread over 8 warps, the next group's loads issued first (magic8's
-    # pf1; the one-row loop's families above run magic8 too)
-    ("fma", 128, 128, 8, 3, 1, 0),
+    # Round 12: magic8 (the one-row loop's families above run it too) with two rows a thread
+    # over 8 warps, and four over 2 warps (its x work, once a thread, shared by more rows; no
+    # layout conversion through shared memory, which four rows a thread over 4 warps has)
+    ("fma", 128, 128, 8, 3, 1, 0), ("fma", 64, 128, 2, 3, 1, 0), ("fma", 64, 128, 2, 3, 0, 0),
     ("dot", 64, 128, 4, 4, 0, 0),
     ("dot", 32, 128, 4, 3, 0, 0), ("dot", 64, 128, 4, 3, 0, 0), ("swap", 64, 128, 4, 4, 0, 0),
     ("swap", 128, 128, 4, 3, 0, 0),
