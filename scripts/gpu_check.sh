@@ -237,7 +237,7 @@ r12-magic8)  # round 12: int4's one-row loop in packed fp16 (magic8): its GPU fa
     # one-row int4 launches re-tuned with it in the sweep (MODELS4), then the shipped table
     # against the re-tuned one on this machine: bloom-7b1 int4 decode, BLOOM-176B where it fits
     cp "$table" /tmp/base.json
-    MPINFER_FAMILY_ONLY=magic8 TAIL=6 stage gpu-tests-magic8 "${TEST_TIME:-80}" gpu_tests \
+    MPINFER_FAMILY_ONLY=magic8,magic9 TAIL=6 stage gpu-tests-magic8 "${TEST_TIME:-80}" gpu_tests \
         -k "every_config_family and dtype0-4"
     TAIL=30 stage tune-int4-1 "${TUNE4_TIME:-170}" bench kernels --tune "$table" --quant int4 \
         --rows 1 --models "${MODELS4:-bloom-7b1,bloom-176b}" --out "$RES/tune-int4-1.json"

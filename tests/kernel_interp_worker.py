@@ -71,6 +71,7 @@ def main() -> int:
                        (1, "fma n16 k128 split2 pf1 magic5 w4 s3 r80"),
                        (1, "fma n32 k128 split3 pf0 magic8 w4 s3"),
                        (1, "fma n64 k128 split2 pf1 magic8 w4 s3"),
+                       (1, "fma n32 k128 split3 pf1 magic9 w4 s3"),
                        (5, "dot n32 k128 split2 pf0 magic1 w4 s3"),
                        (20, "swap n64 k128 split1 pf0 magic0 w4 s4"),
                        (130, "dot n64 k128 split1 pf0 magic1 w4 s3 m64"),
@@ -83,7 +84,7 @@ def main() -> int:
             y = w4a16.w4a16_matmul(x, p, s4, o4, b, gelu=True, residual=res, config=cfg)
             ok &= check(f"int4 sym={sym} {M} rows {cfg}", y,
                         fused(x.float() @ w.T + b.float(), True, res))  # fmt: skip
-    # magic7 and magic8 where a group's offset is far past its range (z * sum(x) dwarfs
+    # magic7, magic8 and magic9 where a group's offset is far past its range (z * sum(x) dwarfs
     # s * sum(q x): a dropped or misplaced offset term shows) and where a group is constant
     w = torch.randn(N, K, generator=g)
     w[::7, 128:256] = 40 + 1e-3 * torch.randn(w[::7, 128:256].shape, generator=g)
@@ -92,7 +93,8 @@ def main() -> int:
     w = dequantize_int4(p, s4, o4)
     for M, cfg in [(1, "swap n64 k128 split1 pf0 magic7 w4 s4"),
                    (130, "swap n64 k128 split2 pf0 magic7 w4 s3 m64"),
-                   (1, "fma n32 k128 split2 pf1 magic8 w4 s3")]:  # fmt: skip
+                   (1, "fma n32 k128 split2 pf1 magic8 w4 s3"),
+                   (1, "fma n32 k128 split2 pf0 magic9 w4 s3")]:  # fmt: skip
         x = torch.randn(M, K, generator=g).to(dt)
         y = w4a16.w4a16_matmul(x, p, s4, o4, None, config=cfg)
         ref = x.float() @ w.T

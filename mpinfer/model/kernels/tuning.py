@@ -9,7 +9,8 @@ one-row elementwise loop), BLOCK_N, BLOCK_K, split-K, PREFETCH, MAGIC (how a qua
 becomes float: 0 the conversion unit via fp32, 1 the fp16 bit trick in Triton ops, fp16 only, 2
 the bit trick in packed PTX, int8 only; 3-5 int4's one-row tricks, 6 int8's pairs in PTX for
 the swap loop, 7 int4's pairs of exact q for the swap loop, scale and offset per group, 8
-int4's one-row loop in packed fp16, four bytes a word),
+int4's one-row loop in packed fp16, four bytes a word, 9 the same with each group's sum of x
+from the launcher),
 num_warps, num_stages, BLOCK_M (the rows a program owns; without it, the row bucket's size: 16,
 32 or 64), and optionally "r80", the registers a thread may use (Triton's maxnreg: fewer, for
 more programs an SM).
@@ -104,7 +105,7 @@ TILED_SPLITS = (1, 2, 3, 4)
 TILED_MAGIC = {"float16": (1, 2, 6), "bfloat16": (0, 2)}
 
 _NAME = re.compile(
-    r"(dot|swap|fma) n(\d+) k(\d+) split(\d+) pf([01]) magic([0-8]) w(\d+) s(\d+)(?: m(\d+))?"
+    r"(dot|swap|fma) n(\d+) k(\d+) split(\d+) pf([01]) magic([0-9]) w(\d+) s(\d+)(?: m(\d+))?"
     r"(?: r(\d+))?"
 )
 
@@ -144,10 +145,11 @@ def magics(dtype: str, bits: int = 8) -> tuple[int, ...]:
     mantissa trick in Triton ops and in PTX, and 5, the PTX one with the scale and offset applied
     once per run of eight weights: the one-row loop only; 6, int8's packed PTX two weights a
     call, fp16 in the swap loop only; 7, int4's pairs of exact q, fp16 in the swap loop only; 8,
-    int4's products in packed fp16, fp16 in the one-row loop only)."""
+    int4's products in packed fp16, fp16 in the one-row loop only, and 9, the same with the
+    launcher's sums of x)."""
     base = (0, 1, 2) if dtype == "float16" else (0, 2)
     if bits == 4:
-        return base + (3, 4, 5) + ((7, 8) if dtype == "float16" else ())
+        return base + (3, 4, 5) + ((7, 8, 9) if dtype == "float16" else ())
     return base + (6,) if dtype == "float16" else base
 
 
@@ -162,7 +164,7 @@ def names(families, splits, dtype: str, magic=None, *, bits: int = 8, group: int
             for m in magics(dtype, bits):
                 if loop == "fma" and bits == 4 and m == 1:
                     continue  # the one-row int4 loop runs magic1 as magic0
-                if m in (3, 4, 5, 8) and not (loop == "fma" and bits == 4):
+                if m in (3, 4, 5, 8, 9) and not (loop == "fma" and bits == 4):
                     continue  # the mantissa trick and packed fp16 are the one-row int4 loop's
                 if m in (6, 7) and loop != "swap":
                     continue  # int8's and int4's pairs are the swap loop's fragment
@@ -226,8 +228,8 @@ def illegal(name_: str, rows: int, N: int, K: int, dtype: str, *, bits: int = 8,
             return "magic6 (int8 pairs in PTX) makes fp16 from int8 only"
         if kw["MAGIC"] == 7:
             return "magic7 (int4 pairs of q) makes fp16 weights, from int4 only"
-        if kw["MAGIC"] == 8:
-            return "magic8 (int4 products in packed fp16) takes fp16 activations and int4 only"
+        if kw["MAGIC"] >= 8:
+            return "magic8-9 (int4 products in packed fp16) take fp16 activations and int4 only"
         if kw["MAGIC"] >= 3:
             return "magic3-5 (the fp32 mantissa trick) are int4's"
         return "magic1 (the Triton-op bit trick) makes fp16 only"
@@ -237,8 +239,8 @@ def illegal(name_: str, rows: int, N: int, K: int, dtype: str, *, bits: int = 8,
         return "magic7 (int4 pairs of q) is for the swap loop"
     if 3 <= kw["MAGIC"] <= 5 and kw["USE_DOT"]:
         return "magic3-5 (fp32 weights) are for the one-row loop"
-    if kw["MAGIC"] == 8 and kw["USE_DOT"]:
-        return "magic8 (packed fp16 products) is for the one-row loop"
+    if kw["MAGIC"] >= 8 and kw["USE_DOT"]:
+        return "magic8-9 (packed fp16 products) are for the one-row loop"
     if bits == 4 and kw["MAGIC"] == 2 and kw["USE_DOT"] and dtype != "float16":
         return "int4's magic2 makes fp16 weights: the tensor-core loops need the activations' dtype"
     if bits == 4 and kw["MAGIC"] == 2 and kw["SWAP"]:

@@ -46,7 +46,9 @@ warps on an SM: docs/performance.md, round 11). MAGIC 8 (the one-row loop, fp16 
 products in packed fp16 instead: a row's bytes four at a time, q - 8 made exact in two fp16
 lanes and multiplied by a pair of x in one `fma.f16x2`, summed in fp16 over eight products a
 lane, the group's scale and offset applied to each run's sums (3.5 instructions a weight
-compiled for sm_90a, magic5 4.4).
+compiled for sm_90a, magic5 4.4). MAGIC 9 is MAGIC 8 with each group's sum of x from the launcher
+(magic7's small reduction) instead of from the loop: fewer instructions a weight, one more
+launch.
 """
 
 from __future__ import annotations
@@ -348,6 +350,19 @@ def _word_group(w, s, z, xl, xh, BLOCK_N: tl.constexpr, GP: tl.constexpr, WORDS:
     return s16[:, :, None] * p + z16[:, :, None] * xs
 
 
+@triton.jit
+def _word_group_xs(w, s, z, xl, xh, xg, BLOCK_N: tl.constexpr, GP: tl.constexpr,
+                   WORDS: tl.constexpr):  # fmt: skip
+    """MAGIC 9: _word_group with each group's sum of x given (xg, (GP,) fp32, summed by the
+    launcher): (z + 8 s) * sum(x) spread evenly over the group's runs, and no x work in the
+    loop but the products."""
+    RUNS: tl.constexpr = WORDS // WORD_RUN
+    p = tl.sum(tl.reshape(_word_dots(w, xl, xh), (BLOCK_N, GP, RUNS, WORD_RUN)), axis=3)
+    s32 = s.to(tl.float32)
+    zx = (z.to(tl.float32) + 8.0 * s32) * (xg * (1.0 / RUNS))[None, :]
+    return (16.0 * s32)[:, :, None] * p + zx[:, :, None]
+
+
 @triton.jit(do_not_specialize=["split_k"])
 def _w4a16(
     x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, xs_ptr,
@@ -466,7 +481,7 @@ def _w4a16(
             tile, pid_k, split_k, M * N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
             False, HAS_BIAS, ACT, HAS_RES,
         )  # fmt: skip
-    elif MAGIC == 8:  # one row in packed fp16, words of four bytes (the asm's comment)
+    elif MAGIC >= 8:  # one row in packed fp16, words of four bytes (the asm's comment)
         # GP groups an iteration (PREFETCH 1: two) as one (BLOCK_N, GP, WORDS) tile: a row's
         # GP groups are adjacent, so their words are one run of loads issued together. No masks
         # in the loop: rows past N read row N - 1 (their sums are not stored), and a split's
@@ -491,7 +506,11 @@ def _w4a16(
             keep = (grp <= last)[None, :]
             s = tl.where(keep, tl.load(s_ptr + sz + gi[None, :] * N), 0.0)
             z = tl.where(keep, tl.load(z_ptr + sz + gi[None, :] * N), 0.0)
-            acc3 += _word_group(b, s, z, xl, xh, BLOCK_N, GP, WORDS)
+            if MAGIC == 9:  # the groups' sums of x from the launcher, not from the loop
+                xg = tl.load(xs_ptr + g + gi)  # (GP,) fp32
+                acc3 += _word_group_xs(b, s, z, xl, xh, xg, BLOCK_N, GP, WORDS)
+            else:
+                acc3 += _word_group(b, s, z, xl, xh, BLOCK_N, GP, WORDS)
             w32 += GP * WORDS
             x64 += GP * 2 * WORDS
             sz += GP * N
@@ -573,7 +592,7 @@ def w4a16_matmul(
     ws, counters = device_scratch(x.device)
     # magic7's sums of each row of x over each group (M, K / group), fp32
     xs = (torch.sum(x.view(M, K // group, group), dim=2, dtype=torch.float32)
-          if kw["MAGIC"] == 7 else ws)  # fmt: skip
+          if kw["MAGIC"] in (7, 9) else ws)  # fmt: skip
     _w4a16[grid](
         x, packed, scale.contiguous(), offset.contiguous(),
         bias if bias is not None else y, residual if residual is not None else y, y, ws, counters,
