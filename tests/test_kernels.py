@@ -48,3 +48,19 @@ def test_a_register_capped_config_compiles_to_its_cap_with_no_spills_in_the_loop
     free, capped = (loop_report(f"fma n64 k128 split8 pf1 magic5 w4 s3{tail}", bits=4, rows=1)
                     for tail in ("", " r80"))  # fmt: skip
     assert capped["registers"] <= 80 < free["registers"], (free, capped)
+
+
+def test_the_packed_fp16_one_row_int4_loop_compiles_to_fewer_instructions_than_magic5():
+    """magic8 does a pair of products in one fma.f16x2 on q - 8 made exact in two fp16 lanes:
+    compiled for sm_90a, the one-row loop of the same tile (64 rows, two groups an iteration,
+    128 weights a thread) has its products in HFMA2 (at least one a pair), next to no fp32 work,
+    no local memory, and at most two-thirds of magic5's instructions (Triton 3.6: 410 against
+    560; 3.9: 391 against 648)."""
+    from mpinfer.tools.diag.kernel_sass import loop_report
+
+    five, eight = (loop_report(f"fma n64 k128 split8 pf1 magic{m} w4 s3", bits=4, rows=1)
+                   for m in (5, 8))  # fmt: skip
+    ops = eight["loop_ops"]
+    assert ops.get("HFMA2", 0) >= 64 and ops.get("FFMA", 0) <= 16, eight
+    assert not ops.get("LDL") and not ops.get("STL") and not eight["stack_bytes"], eight
+    assert 3 * eight["loop_instructions"] <= 2 * five["loop_instructions"], (five, eight)
