@@ -30,6 +30,7 @@ LAZY: dict[str, tuple[str, str]] = {
     # The kernels themselves import Triton at the top, so they are imported on a GPU only.
     "mpinfer.model.kernels.w8a16": ("", "the int8 matmul on a GPU"),
     "mpinfer.model.kernels.w4a16": ("", "the int4 matmul on a GPU"),
+    "mpinfer.model.kernels.w4a16_convert": ("", "the int4 matmul's conversions (w4a16.py's)"),
     "mpinfer.model.kernels.dequant": ("", "the matmuls of more than 256 rows on a GPU"),
     "mpinfer.model.kernels.launch": ("", "the matmuls' shared epilogue on a GPU"),
     "mpinfer.model.kernels.attention": ("", "the decode attention on a GPU"),
