@@ -187,80 +187,75 @@ def _w4a16(
             tile, pid_k, split_k, M * N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
             False, HAS_BIAS, ACT, HAS_RES,
         )  # fmt: skip
-    elif MAGIC >= 8:  # one row in packed fp16, words of four bytes (the asm's comment)
-        # GP groups an iteration (PREFETCH 1: two) as one (BLOCK_N, GP, WORDS) tile: a row's
-        # GP groups are adjacent, so their words are one run of loads issued together. No masks
-        # in the loop: rows past N read row N - 1 (their sums are not stored), and a split's
-        # missing last group of GP reads its first again with its scale and offset zeroed.
-        WORDS: tl.constexpr = HALF // 4
-        GP: tl.constexpr = 1 + PREFETCH
-        offs_w = tl.arange(0, WORDS)[None, None, :]
-        grp = tl.arange(0, GP)
-        words = tl.multiple_of(K // 8, 4)  # a row's 32-bit words (K % 32 == 0)
-        rows_c = tl.minimum(offs_n, N - 1).to(tl.int64)
-        w32 = (w_ptr.to(tl.pointer_type(tl.int32)) + rows_c[:, None, None] * words
-               + g_lo * WORDS + offs_w)  # fmt: skip
-        x64 = x_ptr.to(tl.pointer_type(tl.int64)) + g_lo * (BLOCK_K // 4) + offs_w
-        sz = g_lo * N + rows_c[:, None]  # (BLOCK_N, 1): scales' and offsets' offsets
-        acc3 = tl.zeros((BLOCK_N, GP, WORDS // WORD_RUN), dtype=tl.float32)
-        for g in range(g_lo, g_hi, GP):
-            last = tl.minimum(g_hi - g, GP) - 1  # the tile's last real group
-            gi = tl.minimum(grp, last)
-            b = tl.load(w32 + gi[None, :, None] * WORDS)
-            xl = tl.load(x64 + gi[None, :, None] * (2 * WORDS))
-            xh = tl.load(x64 + gi[None, :, None] * (2 * WORDS) + WORDS)
-            keep = (grp <= last)[None, :]
-            s = tl.where(keep, tl.load(s_ptr + sz + gi[None, :] * N), 0.0)
-            z = tl.where(keep, tl.load(z_ptr + sz + gi[None, :] * N), 0.0)
-            if MAGIC == 9:  # the groups' sums of x from the launcher, not from the loop
-                xg = tl.load(xs_ptr + g + gi)  # (GP,) fp32
-                acc3 += _word_group_xs(b, s, z, xl, xh, xg, BLOCK_N, GP, WORDS)
-            else:
-                acc3 += _word_group(b, s, z, xl, xh, BLOCK_N, GP, WORDS)
-            w32 += GP * WORDS
-            x64 += GP * 2 * WORDS
-            sz += GP * N
-        acc2 = tl.sum(acc3, axis=2)
-        acc = tl.sum(acc2, axis=1)  # (BLOCK_N,)
-        reduce_and_finish(
-            acc, n_ok, offs_n, offs_n, offs_n, offs_n,
-            tile, pid_k, split_k, N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
-            False, HAS_BIAS, ACT, HAS_RES,
-        )  # fmt: skip
-    else:  # one row (MAGIC 1, fp16 only, is MAGIC 0 here: its weights would be widened)
-        CONV: tl.constexpr = 0 if MAGIC == 1 else MAGIC
-        ACC_K: tl.constexpr = HALF // FACTOR_RUN if MAGIC == 5 else HALF
-        acc2 = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
-        x_ptrs = x_ptr + g_lo * BLOCK_K + offs_h
-        for g in range(g_lo, g_hi, 1 + PREFETCH):
-            b = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
-            s = tl.load(s_ptrs, mask=n_ok, other=0.0)[:, None]
-            z = tl.load(z_ptrs, mask=n_ok, other=0.0)[:, None]
-            if PREFETCH:  # the next group too (zeros past the split: s = z = 0)
-                has2 = tl.minimum(g_hi - g - 1, 1)  # 1 if the split has a next group, else 0
-                ok2 = offs_n < N * has2
-                b2 = tl.load(w_ptrs + HALF, mask=ok2[:, None], other=0)
-                s2 = tl.load(s_ptrs + N, mask=ok2, other=0.0)[:, None]
-                z2 = tl.load(z_ptrs + N, mask=ok2, other=0.0)[:, None]
-                h_ok = offs_h < HALF * has2
-                x2_lo = tl.load(x_ptrs + BLOCK_K, mask=h_ok, other=0.0).to(tl.float32)
-                x2_hi = tl.load(x_ptrs + BLOCK_K + HALF, mask=h_ok, other=0.0).to(tl.float32)
-            x_lo = tl.load(x_ptrs).to(tl.float32)
-            x_hi = tl.load(x_ptrs + HALF).to(tl.float32)
-            if MAGIC == 5:
-                acc2 += _factored(b, s, z, x_lo, x_hi, BLOCK_N, HALF)
-                if PREFETCH:
-                    acc2 += _factored(b2, s2, z2, x2_lo, x2_hi, BLOCK_N, HALF)
-            else:
-                lo, hi = _nibbles(b, s, z, tl.float32, CONV)
-                acc2 += lo * x_lo[None, :] + hi * x_hi[None, :]
-                if PREFETCH:
-                    lo2, hi2 = _nibbles(b2, s2, z2, tl.float32, CONV)
-                    acc2 += lo2 * x2_lo[None, :] + hi2 * x2_hi[None, :]
-            w_ptrs += HALF * (1 + PREFETCH)
-            s_ptrs += N * (1 + PREFETCH)
-            z_ptrs += N * (1 + PREFETCH)
-            x_ptrs += BLOCK_K * (1 + PREFETCH)
+    else:  # one row
+        if MAGIC >= 8:  # in packed fp16, words of four bytes (w4a16_convert.py)
+            # GP groups an iteration (PREFETCH 1: two) as one (BLOCK_N, GP, WORDS) tile: a row's
+            # GP groups are adjacent, so their words are one run of loads issued together. No masks
+            # in the loop: rows past N read row N - 1 (their sums are not stored), and a split's
+            # missing last group of GP reads its first again with its scale and offset zeroed.
+            WORDS: tl.constexpr = HALF // 4
+            GP: tl.constexpr = 1 + PREFETCH
+            offs_w = tl.arange(0, WORDS)[None, None, :]
+            grp = tl.arange(0, GP)
+            words = tl.multiple_of(K // 8, 4)  # a row's 32-bit words (K % 32 == 0)
+            rows_c = tl.minimum(offs_n, N - 1).to(tl.int64)
+            w32 = (w_ptr.to(tl.pointer_type(tl.int32)) + rows_c[:, None, None] * words
+                   + g_lo * WORDS + offs_w)  # fmt: skip
+            x64 = x_ptr.to(tl.pointer_type(tl.int64)) + g_lo * (BLOCK_K // 4) + offs_w
+            sz = g_lo * N + rows_c[:, None]  # (BLOCK_N, 1): scales' and offsets' offsets
+            acc3 = tl.zeros((BLOCK_N, GP, WORDS // WORD_RUN), dtype=tl.float32)
+            for g in range(g_lo, g_hi, GP):
+                last = tl.minimum(g_hi - g, GP) - 1  # the tile's last real group
+                gi = tl.minimum(grp, last)
+                b = tl.load(w32 + gi[None, :, None] * WORDS)
+                xl = tl.load(x64 + gi[None, :, None] * (2 * WORDS))
+                xh = tl.load(x64 + gi[None, :, None] * (2 * WORDS) + WORDS)
+                keep = (grp <= last)[None, :]
+                s = tl.where(keep, tl.load(s_ptr + sz + gi[None, :] * N), 0.0)
+                z = tl.where(keep, tl.load(z_ptr + sz + gi[None, :] * N), 0.0)
+                if MAGIC == 9:  # the groups' sums of x from the launcher, not from the loop
+                    xg = tl.load(xs_ptr + g + gi)  # (GP,) fp32
+                    acc3 += _word_group_xs(b, s, z, xl, xh, xg, BLOCK_N, GP, WORDS)
+                else:
+                    acc3 += _word_group(b, s, z, xl, xh, BLOCK_N, GP, WORDS)
+                w32 += GP * WORDS
+                x64 += GP * 2 * WORDS
+                sz += GP * N
+            acc2 = tl.sum(acc3, axis=2)
+        else:  # MAGIC 1 (fp16 only) is MAGIC 0 here: its weights would be widened
+            CONV: tl.constexpr = 0 if MAGIC == 1 else MAGIC
+            ACC_K: tl.constexpr = HALF // FACTOR_RUN if MAGIC == 5 else HALF
+            acc2 = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
+            x_ptrs = x_ptr + g_lo * BLOCK_K + offs_h
+            for g in range(g_lo, g_hi, 1 + PREFETCH):
+                b = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+                s = tl.load(s_ptrs, mask=n_ok, other=0.0)[:, None]
+                z = tl.load(z_ptrs, mask=n_ok, other=0.0)[:, None]
+                if PREFETCH:  # the next group too (zeros past the split: s = z = 0)
+                    has2 = tl.minimum(g_hi - g - 1, 1)  # 1 if the split has a next group, else 0
+                    ok2 = offs_n < N * has2
+                    b2 = tl.load(w_ptrs + HALF, mask=ok2[:, None], other=0)
+                    s2 = tl.load(s_ptrs + N, mask=ok2, other=0.0)[:, None]
+                    z2 = tl.load(z_ptrs + N, mask=ok2, other=0.0)[:, None]
+                    h_ok = offs_h < HALF * has2
+                    x2_lo = tl.load(x_ptrs + BLOCK_K, mask=h_ok, other=0.0).to(tl.float32)
+                    x2_hi = tl.load(x_ptrs + BLOCK_K + HALF, mask=h_ok, other=0.0).to(tl.float32)
+                x_lo = tl.load(x_ptrs).to(tl.float32)
+                x_hi = tl.load(x_ptrs + HALF).to(tl.float32)
+                if MAGIC == 5:
+                    acc2 += _factored(b, s, z, x_lo, x_hi, BLOCK_N, HALF)
+                    if PREFETCH:
+                        acc2 += _factored(b2, s2, z2, x2_lo, x2_hi, BLOCK_N, HALF)
+                else:
+                    lo, hi = _nibbles(b, s, z, tl.float32, CONV)
+                    acc2 += lo * x_lo[None, :] + hi * x_hi[None, :]
+                    if PREFETCH:
+                        lo2, hi2 = _nibbles(b2, s2, z2, tl.float32, CONV)
+                        acc2 += lo2 * x2_lo[None, :] + hi2 * x2_hi[None, :]
+                w_ptrs += HALF * (1 + PREFETCH)
+                s_ptrs += N * (1 + PREFETCH)
+                z_ptrs += N * (1 + PREFETCH)
+                x_ptrs += BLOCK_K * (1 + PREFETCH)
         acc = tl.sum(acc2, axis=1)  # (BLOCK_N,)
         reduce_and_finish(
             acc, n_ok, offs_n, offs_n, offs_n, offs_n,
