@@ -133,7 +133,8 @@ def test_every_config_family_split_k(bits, dtype):
     of 128): it matches the reference and leaves every tile counter at zero for the next
     launch. Tuning only ever runs the winner, so without this a broken variant could wait for
     the one GPU it wins on. MPINFER_FAMILY_ONLY=magic8,magic9 (words of the names) runs those
-    configs alone, for a GPU call that checks a new family and has no time for the others."""
+    configs alone, for a GPU call that checks a new family and has no time for the others
+    (select the dtype and bits that have them with -k: a filter that matches nothing fails)."""
     from mpinfer.model.kernels import launch, tuning, w4a16, w8a16
     from mpinfer.model.quant import quantize_int4
 
@@ -152,8 +153,7 @@ def test_every_config_family_split_k(bits, dtype):
         names = tuning.names(tuning.INT4_FAMILIES, (1, 3), dt, bits=4, group=128)
     only = os.environ.get("MPINFER_FAMILY_ONLY")
     names = [n for n in names if only is None or set(only.split(",")) & set(n.split())]
-    if not names:
-        pytest.skip(f"MPINFER_FAMILY_ONLY={only}: none of this dtype's configs")
+    assert names, f"MPINFER_FAMILY_ONLY={only}: no {dt} int{bits} config has it (pick its -k)"
     failures = []
     for config in names:
         kw, _, _ = tuning.parse(config)
