@@ -42,21 +42,17 @@ fma.rn.f16x2 $3, a3, $6, $8;
 # Four packed bytes to their eight nibbles as fp32 numbers 1 + q/128 (low nibbles, $0-$3) and
 # 1 + q/2048 (high, $4-$7), MAGIC=4: one `prmt` copies byte j into bytes 1 and 2 of a zero
 # word, then one `lop3` a nibble keeps it (bits 16-19 or 12-15) under the bits of 1.0f.
-_U4_TO_F32 = tl.constexpr("""{
-.reg .b32 t;
-prmt.b32 t, $8, 0, 0x4004;
-lop3.b32 $0, t, 0x000F0000, 0x3F800000, 0xEA;
-lop3.b32 $4, t, 0x0000F000, 0x3F800000, 0xEA;
-prmt.b32 t, $8, 0, 0x4114;
-lop3.b32 $1, t, 0x000F0000, 0x3F800000, 0xEA;
-lop3.b32 $5, t, 0x0000F000, 0x3F800000, 0xEA;
-prmt.b32 t, $8, 0, 0x4224;
-lop3.b32 $2, t, 0x000F0000, 0x3F800000, 0xEA;
-lop3.b32 $6, t, 0x0000F000, 0x3F800000, 0xEA;
-prmt.b32 t, $8, 0, 0x4334;
-lop3.b32 $3, t, 0x000F0000, 0x3F800000, 0xEA;
-lop3.b32 $7, t, 0x0000F000, 0x3F800000, 0xEA;
-}""")
+_U4_TO_F32 = tl.constexpr(
+    "{\n.reg .b32 t;\n"
+    + "".join(
+        f"""prmt.b32 t, $8, 0, 0x4{j}{j}4;
+lop3.b32 ${j}, t, 0x000F0000, 0x3F800000, 0xEA;
+lop3.b32 ${4 + j}, t, 0x0000F000, 0x3F800000, 0xEA;
+"""
+        for j in range(4)
+    )
+    + "}"
+)
 
 
 # Two packed bytes (four nibbles: two low, two high) as fp16 pairs of q (MAGIC=7, the swap loop,
@@ -93,7 +89,28 @@ fma.rn.f16x2 $1, b, m, c;
 # sums (8 |x| / 2 at most) from overflow for any |x| under 16,000. Operands: $0-$3 the outputs,
 # $4-$7 the words, then x as fp16 pairs: $8-$11 halves 0-1 of each word's four low ones,
 # $12-$15 halves 2-3, $16-$19 and $20-$23 the same of the high ones.
-# fmt: off
+# The two fp16 pair sums s0, s1 widened to the four fp32 outputs $0-$3 (both asm blocks end so).
+_WIDEN = """mov.b32 {h0, h1}, s0;
+mov.b32 {h2, h3}, s1;
+cvt.f32.f16 $0, h0;
+cvt.f32.f16 $1, h1;
+cvt.f32.f16 $2, h2;
+cvt.f32.f16 $3, h3;
+}"""
+
+
+def _u4w_half(i: int, sel: str, lo: int, hi: int) -> str:
+    """Word i's bytes under `sel` (0, 1 or 2, 3) times x's pairs $lo (low) and $hi (high)."""
+    return f"""prmt.b32 t, ${4 + i}, 0, {sel};
+lop3.b32 a, t, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 c, t, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 a, a, k, o;
+fma.rn.f16x2 c, c, m, n;
+fma.rn.f16x2 s{i // 2}, a, ${lo}, s{i // 2};
+fma.rn.f16x2 s{i // 2}, c, ${hi}, s{i // 2};
+"""
+
+
 _U4W_DOT = tl.constexpr("""{
 .reg .b32 t, a, c, k, m, n, o, s0, s1;
 .reg .b16 h0, h1, h2, h3;
@@ -103,27 +120,8 @@ mov.b32 m, 0x1C001C00;
 mov.b32 n, 0xC480C480;
 mov.b32 s0, 0;
 mov.b32 s1, 0;
-""" + "".join(f"""prmt.b32 t, ${4 + i}, 0, 0x4140;
-lop3.b32 a, t, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 c, t, 0x00F000F0, 0x64006400, 0xEA;
-fma.rn.f16x2 a, a, k, o;
-fma.rn.f16x2 c, c, m, n;
-fma.rn.f16x2 s{i // 2}, a, ${8 + i}, s{i // 2};
-fma.rn.f16x2 s{i // 2}, c, ${16 + i}, s{i // 2};
-prmt.b32 t, ${4 + i}, 0, 0x4342;
-lop3.b32 a, t, 0x000F000F, 0x64006400, 0xEA;
-lop3.b32 c, t, 0x00F000F0, 0x64006400, 0xEA;
-fma.rn.f16x2 a, a, k, o;
-fma.rn.f16x2 c, c, m, n;
-fma.rn.f16x2 s{i // 2}, a, ${12 + i}, s{i // 2};
-fma.rn.f16x2 s{i // 2}, c, ${20 + i}, s{i // 2};
-""" for i in range(4)) + """mov.b32 {h0, h1}, s0;
-mov.b32 {h2, h3}, s1;
-cvt.f32.f16 $0, h0;
-cvt.f32.f16 $1, h1;
-cvt.f32.f16 $2, h2;
-cvt.f32.f16 $3, h3;
-}""")
+""" + "".join(_u4w_half(i, "0x4140", 8 + i, 16 + i) + _u4w_half(i, "0x4342", 12 + i, 20 + i)
+              for i in range(4)) + _WIDEN)  # fmt: skip
 
 # The same four words' activations summed (MAGIC=8's sum(x / 16) of a run, shared by every row
 # of a thread): fp16 pair sums of words 0-1 and 2-3, widened. Operands: $0-$3 the outputs, $4-$19
@@ -134,18 +132,8 @@ _X4W_SUM = tl.constexpr("""{
 mov.b32 k, 0x2C002C00;
 mov.b32 s0, 0;
 mov.b32 s1, 0;
-""" + "".join(f"""fma.rn.f16x2 s{i // 2}, ${4 + i}, k, s{i // 2};
-fma.rn.f16x2 s{i // 2}, ${8 + i}, k, s{i // 2};
-fma.rn.f16x2 s{i // 2}, ${12 + i}, k, s{i // 2};
-fma.rn.f16x2 s{i // 2}, ${16 + i}, k, s{i // 2};
-""" for i in range(4)) + """mov.b32 {h0, h1}, s0;
-mov.b32 {h2, h3}, s1;
-cvt.f32.f16 $0, h0;
-cvt.f32.f16 $1, h1;
-cvt.f32.f16 $2, h2;
-cvt.f32.f16 $3, h3;
-}""")
-# fmt: on
+""" + "".join(f"fma.rn.f16x2 s{i // 2}, ${4 + i + 4 * q}, k, s{i // 2};\n"
+              for i in range(4) for q in range(4)) + _WIDEN)  # fmt: skip
 _U4W_DOT_REGS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 20))
 _X4W_SUM_REGS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 16))
 
