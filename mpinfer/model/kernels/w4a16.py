@@ -45,7 +45,7 @@ On an H200 it won most 16-row launches; at one row magic5 stays faster (its loop
 warps on an SM: docs/performance.md, round 11). MAGIC 8 (the one-row loop, fp16 only) does the
 products in packed fp16 instead: a row's bytes four at a time, q - 8 made exact in two fp16
 lanes and multiplied by a pair of x in one `fma.f16x2`, summed in fp16 over eight products a
-lane, the group's scale and offset applied to each run's sums (3.5 instructions a weight
+lane, the group's scale and offset applied to each run's sums (2.8-3.2 instructions a weight
 compiled for sm_90a, magic5 4.4). MAGIC 9 is MAGIC 8 with each group's sum of x from the launcher
 (magic7's small reduction) instead of from the loop: fewer instructions a weight, one more
 launch. The conversions themselves (the PTX and its interpreter twins) are w4a16_convert.py.
