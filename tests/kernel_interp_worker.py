@@ -72,6 +72,10 @@ def main() -> int:
                        (1, "fma n32 k128 split3 pf0 magic8 w4 s3"),
                        (1, "fma n64 k128 split2 pf1 magic8 w4 s3"),
                        (1, "fma n32 k128 split3 pf1 magic9 w4 s3"),
+                       (1, "fma n32 k128 split3 pf0 magic8 w4 s1"),  # s1: not carried
+                       (1, "fma n64 k128 split2 pf1 magic8 w4 s1"),
+                       (1, "fma n32 k128 split3 pf1 magic9 w4 s1"),
+                       (1, "fma n32 k128 split4 pf1 magic8 w4 s3"),  # an empty last split
                        (5, "dot n32 k128 split2 pf0 magic1 w4 s3"),
                        (20, "swap n64 k128 split1 pf0 magic0 w4 s4"),
                        (130, "dot n64 k128 split1 pf0 magic1 w4 s3 m64"),
@@ -94,6 +98,7 @@ def main() -> int:
     for M, cfg in [(1, "swap n64 k128 split1 pf0 magic7 w4 s4"),
                    (130, "swap n64 k128 split2 pf0 magic7 w4 s3 m64"),
                    (1, "fma n32 k128 split2 pf1 magic8 w4 s3"),
+                   (1, "fma n32 k128 split2 pf1 magic8 w4 s1"),
                    (1, "fma n32 k128 split2 pf0 magic9 w4 s3")]:  # fmt: skip
         x = torch.randn(M, K, generator=g).to(dt)
         y = w4a16.w4a16_matmul(x, p, s4, o4, None, config=cfg)

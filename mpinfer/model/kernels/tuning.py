@@ -86,6 +86,10 @@ INT4_FAMILIES = [
     # over 8 warps, and four over 2 warps (its x work, once a thread, shared by more rows; no
     # layout conversion through shared memory, which four rows a thread over 4 warps has)
     ("fma", 128, 128, 8, 3, 1, 0), ("fma", 64, 128, 2, 3, 1, 0), ("fma", 64, 128, 2, 3, 0, 0),
+    # Round 13: in the packed loop (magic8, magic9) num_stages 2 or more carries the next tile's
+    # weights across iterations (a register pipeline), 1 does not: the families above carry,
+    # these two do not (and run the packed loop alone: the other loops ignore num_stages)
+    ("fma", 64, 128, 4, 1, 1, 0), ("fma", 64, 128, 2, 1, 1, 0),
     ("dot", 64, 128, 4, 4, 0, 0),
     ("dot", 32, 128, 4, 3, 0, 0), ("dot", 64, 128, 4, 3, 0, 0), ("swap", 64, 128, 4, 4, 0, 0),
     ("swap", 128, 128, 4, 3, 0, 0),
@@ -168,6 +172,8 @@ def names(families, splits, dtype: str, magic=None, *, bits: int = 8, group: int
                     continue  # the mantissa trick and packed fp16 are the one-row int4 loop's
                 if m in (6, 7) and loop != "swap":
                     continue  # int8's and int4's pairs are the swap loop's fragment
+                if loop == "fma" and bits == 4 and s < 2 and m < 8:
+                    continue  # num_stages 1 is the packed loop's; the others compile the same
                 if magic is None or m in magic:
                     out.append(name(dict(USE_DOT=int(loop != "fma"), SWAP=int(loop == "swap"),
                                          BLOCK_N=bn, BLOCK_K=bk, split_k=split, PREFETCH=pf,

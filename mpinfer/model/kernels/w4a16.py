@@ -76,7 +76,7 @@ def _w4a16(
     BLOCK_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
     USE_DOT: tl.constexpr, SWAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr, MAGIC: tl.constexpr,
+    PREFETCH: tl.constexpr, MAGIC: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     # BLOCK_K is the group size; split_k cuts the groups into runs; PREFETCH: the one-row loop
     # takes two groups an iteration.
@@ -204,23 +204,41 @@ def _w4a16(
             x64 = x_ptr.to(tl.pointer_type(tl.int64)) + g_lo * (BLOCK_K // 4) + offs_w
             sz = g_lo * N + rows_c[:, None]  # (BLOCK_N, 1): scales' and offsets' offsets
             acc3 = tl.zeros((BLOCK_N, GP, WORDS // WORD_RUN), dtype=tl.float32)
-            for g in range(g_lo, g_hi, GP):
-                last = tl.minimum(g_hi - g, GP) - 1  # the tile's last real group
-                gi = tl.minimum(grp, last)
-                b = tl.load(w32 + gi[None, :, None] * WORDS)
-                xl = tl.load(x64 + gi[None, :, None] * (2 * WORDS))
-                xh = tl.load(x64 + gi[None, :, None] * (2 * WORDS) + WORDS)
-                keep = (grp <= last)[None, :]
-                s = tl.where(keep, tl.load(s_ptr + sz + gi[None, :] * N), 0.0)
-                z = tl.where(keep, tl.load(z_ptr + sz + gi[None, :] * N), 0.0)
-                if MAGIC == 9:  # the groups' sums of x from the launcher, not from the loop
-                    xg = tl.load(xs_ptr + g + gi)  # (GP,) fp32
-                    acc3 += _word_group_xs(b, s, z, xl, xh, xg, BLOCK_N, GP, WORDS)
-                else:
-                    acc3 += _word_group(b, s, z, xl, xh, BLOCK_N, GP, WORDS)
-                w32 += GP * WORDS
-                x64 += GP * 2 * WORDS
-                sz += GP * N
+            if STAGES >= 2:
+                # a register pipeline: the next tile's weights, scales and offsets are loaded
+                # before this tile's arithmetic (Triton's pipeliner leaves a loop without dots
+                # alone, and ptxas issues loads after the arithmetic before them). x is not
+                # carried (its pairs would be 64 registers more, for loads that hit L1). Past
+                # the split's end the next tile re-reads the split's last group, unused.
+                gi = tl.minimum(grp, g_hi - g_lo - 1)
+                b_n, s_n, z_n = _word_weights(w32, s_ptr, z_ptr, sz, gi, N, WORDS)
+                for g in range(g_lo, g_hi, GP):
+                    b, s, z = b_n, s_n, z_n
+                    gi = tl.minimum(grp, g_hi - g - 1)
+                    xl, xh, xg = _word_xs(x64, xs_ptr, g, gi, WORDS, MAGIC)
+                    gn = tl.minimum(grp, g_hi - g - GP - 1)  # the next tile's groups
+                    b_n, s_n, z_n = _word_weights(w32 + GP * WORDS, s_ptr, z_ptr, sz + GP * N, gn,
+                                                  N, WORDS)  # fmt: skip
+                    keep = (grp < g_hi - g)[None, :]
+                    s = tl.where(keep, s, 0.0)
+                    z = tl.where(keep, z, 0.0)
+                    acc3 += _word_sums(b, s, z, xl, xh, xg, BLOCK_N, GP, WORDS, MAGIC)
+                    w32 += GP * WORDS
+                    x64 += GP * 2 * WORDS
+                    sz += GP * N
+            else:
+                for g in range(g_lo, g_hi, GP):
+                    last = tl.minimum(g_hi - g, GP) - 1  # the tile's last real group
+                    gi = tl.minimum(grp, last)
+                    b, s, z = _word_weights(w32, s_ptr, z_ptr, sz, gi, N, WORDS)
+                    xl, xh, xg = _word_xs(x64, xs_ptr, g, gi, WORDS, MAGIC)
+                    keep = (grp <= last)[None, :]
+                    s = tl.where(keep, s, 0.0)
+                    z = tl.where(keep, z, 0.0)
+                    acc3 += _word_sums(b, s, z, xl, xh, xg, BLOCK_N, GP, WORDS, MAGIC)
+                    w32 += GP * WORDS
+                    x64 += GP * 2 * WORDS
+                    sz += GP * N
             acc2 = tl.sum(acc3, axis=2)
         else:  # MAGIC 1 (fp16 only) is MAGIC 0 here: its weights would be widened
             CONV: tl.constexpr = 0 if MAGIC == 1 else MAGIC
@@ -264,6 +282,40 @@ def _w4a16(
         )  # fmt: skip
 
 
+@triton.jit
+def _word_weights(w32, s_ptr, z_ptr, sz, gi, N, WORDS: tl.constexpr):
+    """The packed loop's weight loads of a tile, its groups gi from the tile's first (w32, sz:
+    that group's pointers and scale offsets): words (BLOCK_N, GP, WORDS), scales and offsets
+    (BLOCK_N, GP)."""
+    b = tl.load(w32 + gi[None, :, None] * WORDS)
+    s = tl.load(s_ptr + sz + gi[None, :] * N)
+    z = tl.load(z_ptr + sz + gi[None, :] * N)
+    return b, s, z
+
+
+@triton.jit
+def _word_xs(x64, xs_ptr, g, gi, WORDS: tl.constexpr, MAGIC: tl.constexpr):
+    """x's two halves of a tile's groups as 32-bit pairs (x64: the tile's first group's) and,
+    for MAGIC 9, the groups' sums of x (else a stand-in, unused)."""
+    xl = tl.load(x64 + gi[None, :, None] * (2 * WORDS))
+    xh = tl.load(x64 + gi[None, :, None] * (2 * WORDS) + WORDS)
+    if MAGIC == 9:
+        xg = tl.load(xs_ptr + g + gi)
+    else:
+        xg = gi.to(tl.float32)
+    return xl, xh, xg
+
+
+@triton.jit
+def _word_sums(b, s, z, xl, xh, xg, BLOCK_N: tl.constexpr, GP: tl.constexpr,
+               WORDS: tl.constexpr, MAGIC: tl.constexpr):  # fmt: skip
+    """A tile's (BLOCK_N, GP, runs) sums: MAGIC 9 with the launcher's sums of x, 8 without."""
+    if MAGIC == 9:
+        return _word_group_xs(b, s, z, xl, xh, xg, BLOCK_N, GP, WORDS)
+    else:
+        return _word_group(b, s, z, xl, xh, BLOCK_N, GP, WORDS)
+
+
 def w4a16_matmul(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -300,6 +352,7 @@ def w4a16_matmul(
         xs,
         M, N, K, x.stride(0), y.stride(0), residual.stride(0) if residual is not None else 0,
         kw["split_k"], HAS_BIAS=bias is not None, ACT=gelu, HAS_RES=residual is not None,
-        **{k: v for k, v in kw.items() if k != "split_k"}, num_warps=warps, num_stages=stages,
+        **{k: v for k, v in kw.items() if k != "split_k"}, STAGES=stages, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
     return y
