@@ -47,6 +47,8 @@
 #             alternating decode benches (bloom-7b1; BLOOM-176B on a GPU of 120 GB or more)
 #   r12-magic8  int4's one-row loop in packed fp16: its family test, the one-row launches
 #             re-tuned, then the shipped table against the re-tuned one (bloom-7b1, BLOOM-176B)
+#   r13-tma   int8's warp-specialized loop: its family test, the tiled launches re-tuned, the
+#             matmul table (the re-tuned table is left in $RES and /tmp)
 #   ncu       Nsight Compute's counters of single matmul launches (NCU_RUNS, diag.matmul_profile)
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
@@ -251,6 +253,16 @@ r12-magic8)  # round 12: int4's one-row loop in packed fp16 (magic8): its GPU fa
             --rows mpinfer-int4 --batches 1,8 --out "$RES/176b-$arm.json"
     done
     cp /tmp/tuned.json "$table" ;;
+r13-tma)  # round 13: int8's warp-specialized loop (tma configs): its GPU family test, the tiled
+    # int8 launches re-tuned with it in the sweep (MODELS8, 128-512 rows), the matmul table
+    cp "$table" /tmp/base.json
+    MPINFER_FAMILY_ONLY=tma TAIL=6 stage gpu-tests-tma "${TEST_TIME:-80}" gpu_tests \
+        -k "every_config_family and dtype0-8"
+    TAIL=4 stage tune-int8-tiled "${TUNE8_TIME:-130}" bench kernels --tune "$table" --quant int8 \
+        --rows 128,256,512 --models "${MODELS8:-bloom-7b1}" --out "$RES/tune-int8-tiled.json"
+    cp "$table" "$RES/"; cp "$table" /tmp/r13-table.json
+    TAIL=40 stage kernels "${KERNEL_TIME:-100}" bench kernels --rows 64,128,256,512,576 \
+        --quant int8 --models bloom-7b1,bloom-176b:8 --out "$RES/kernels.json" ;;
 ncu)  # Nsight Compute's counters of single launches (NCU_RUNS: ';'-separated argument lists of
     # diag.matmul_profile: shape, rows, bits, configs)
     IFS=';' read -ra runs <<< "${NCU_RUNS:?NCU_RUNS: e.g. --shape 12288x4096 --rows 512 CONFIG}"

@@ -52,7 +52,9 @@ def main() -> int:
                    (20, "swap n64 k128 split1 pf0 magic0 w4 s4"),
                    (130, "dot n64 k64 split1 pf0 magic1 w4 s3 m64"),
                    (130, "swap n64 k64 split2 pf0 magic0 w4 s3 m64"),
-                   (130, "swap n64 k64 split1 pf0 magic6 w4 s3 m64")]:  # fmt: skip
+                   (130, "swap n64 k64 split1 pf0 magic6 w4 s3 m64"),
+                   (130, "tma n128 k128 split1 pf0 magic6 w4 s3 m128"),  # K % 128: zero-filled
+                   (200, "tma n64 k64 split1 pf0 magic0 w4 s4 m64")]:  # fmt: skip
         x = torch.randn(M, K, generator=g).to(dt)
         res = torch.randn(M, N, generator=g).to(dt)
         y = w8a16.w8a16_matmul(x, q, s, b, gelu=True, residual=res, config=cfg)

@@ -53,8 +53,18 @@ def test_every_sweep_config_name_round_trips():
     assert all(n.startswith("fma") for n in int4 if n.split()[5] in ("magic3", "magic4", "magic5"))
     int8 = tuning.names(tuning.SWEEP_FAMILIES + tuning.TILED_FAMILIES, (1,), "float16")
     assert {n.split()[5] for n in int8} == {"magic0", "magic1", "magic2", "magic6"}
-    # int8's pair conversion is the swap loop's alone, and fp16's
-    assert all(n.startswith("swap") for n in int8 if n.split()[5] == "magic6")
+    # int8's pair conversion is the swap loops' alone (pointer-loaded and warp-specialized),
+    # and fp16's
+    assert all(n.startswith(("swap", "tma")) for n in int8 if n.split()[5] == "magic6")
+    # the warp-specialized loop: int8's tiles of rows, 4 warps, no split, rows of 16 bytes
+    tma = [n for n in int8 if n.startswith("tma")]
+    assert tma and all(tuning.parse(n)[0]["SWAP"] for n in tma)
+    assert not tuning.illegal(tma[0], 200, 4096, 4096, "float16")
+    for bad in (dict(rows=32), dict(K=4104), dict(bits=4, group=128)):
+        args = dict(rows=200, N=4096, K=4096, dtype="float16") | bad
+        assert tuning.illegal(tma[0], **args), bad
+    assert tuning.illegal(tma[0].replace("split1", "split2"), 200, 4096, 4096, "float16")
+    assert tuning.illegal(tma[0].replace(" w4 ", " w8 "), 200, 4096, 4096, "float16")
     assert "magic6" not in {n.split()[5] for n in bf16}
     assert {n.split()[2] for n in int4} == {"k64"}
     assert tuning.parse("swap n128 k64 split1 pf0 magic2 w8 s3 m128")[0]["BLOCK_M"] == 128

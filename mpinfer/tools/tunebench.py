@@ -154,7 +154,7 @@ def _variant(shape, K, epi, M, dt, config) -> tuple:
     """What a compiled kernel depends on: everything but the split (a runtime argument); N and
     K only through K % BLOCK_K (all the shapes' N and K are multiples of 16)."""
     kw, w, st = tuning.parse(config)
-    family = (kw["USE_DOT"], kw["SWAP"], kw["BLOCK_N"], kw["BLOCK_K"], kw["PREFETCH"],
+    family = (kw["USE_DOT"], kw["SWAP"], kw["TMA"], kw["BLOCK_N"], kw["BLOCK_K"], kw["PREFETCH"],
               kw["MAGIC"], tuning.block_m(kw, M), w, st, K % kw["BLOCK_K"] == 0,
               kw["MAXNREG"])  # fmt: skip
     return (dt, epi, shape.endswith("lm_head"), family)

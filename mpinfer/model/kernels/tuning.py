@@ -71,6 +71,10 @@ TILED_FAMILIES = [
     # products in flight across its converted tile (it waits for each), the swap loop up to 3.
     ("swap", 128, 64, 8, 3, 0, 256), ("swap", 128, 64, 8, 4, 0, 256),
     ("swap", 64, 64, 4, 4, 0, 256), ("dot", 128, 128, 8, 3, 0, 128),
+    # Round 13: the warp-specialized swap loop (w8a16_tma.py: a producer warp group's copies
+    # feeding two consumers; 4 warps a partition), no split
+    ("tma", 128, 64, 4, 3, 0, 128), ("tma", 128, 64, 4, 4, 0, 128), ("tma", 128, 64, 4, 3, 0, 256),
+    ("tma", 256, 64, 4, 3, 0, 128), ("tma", 128, 128, 4, 3, 0, 128), ("tma", 128, 64, 4, 4, 0, 64),
 ]  # fmt: skip
 # int4: BLOCK_K is the group size, set per launch; these are the families at 128.
 INT4_FAMILIES = [
@@ -109,7 +113,7 @@ TILED_SPLITS = (1, 2, 3, 4)
 TILED_MAGIC = {"float16": (1, 2, 6), "bfloat16": (0, 2)}
 
 _NAME = re.compile(
-    r"(dot|swap|fma) n(\d+) k(\d+) split(\d+) pf([01]) magic([0-9]) w(\d+) s(\d+)(?: m(\d+))?"
+    r"(dot|swap|fma|tma) n(\d+) k(\d+) split(\d+) pf([01]) magic([0-9]) w(\d+) s(\d+)(?: m(\d+))?"
     r"(?: r(\d+))?"
 )
 
@@ -123,14 +127,16 @@ def parse(name: str) -> tuple[dict, int, int]:
         raise ValueError(f"not a kernel config name: {name!r} (e.g. 'dot n64 k128 split4 pf0 "
                          "magic0 w4 s3')")  # fmt: skip
     loop, bn, bk, split, pf, magic, w, s, bm, regs = m.groups()
-    kw = dict(USE_DOT=int(loop != "fma"), SWAP=int(loop == "swap"), BLOCK_N=int(bn),
-              BLOCK_K=int(bk), split_k=int(split), PREFETCH=int(pf), MAGIC=int(magic),
-              BLOCK_M=int(bm or 0), MAXNREG=int(regs or 0))  # fmt: skip
+    kw = dict(USE_DOT=int(loop != "fma"), SWAP=int(loop in ("swap", "tma")),
+              TMA=int(loop == "tma"), BLOCK_N=int(bn), BLOCK_K=int(bk), split_k=int(split),
+              PREFETCH=int(pf), MAGIC=int(magic), BLOCK_M=int(bm or 0),
+              MAXNREG=int(regs or 0))  # fmt: skip
     return kw, int(w), int(s)
 
 
 def name(kw: dict, num_warps: int, num_stages: int) -> str:
-    loop = ("swap" if kw.get("SWAP") else "dot") if kw["USE_DOT"] else "fma"
+    loop = ("tma" if kw.get("TMA") else "swap" if kw.get("SWAP") else "dot") if kw["USE_DOT"] \
+        else "fma"  # fmt: skip
     tail = f" m{kw['BLOCK_M']}" if kw.get("BLOCK_M") else ""
     tail += f" r{kw['MAXNREG']}" if kw.get("MAXNREG") else ""
     return (f"{loop} n{kw['BLOCK_N']} k{kw['BLOCK_K']} split{kw['split_k']} pf{kw['PREFETCH']} "
@@ -170,12 +176,13 @@ def names(families, splits, dtype: str, magic=None, *, bits: int = 8, group: int
                     continue  # the one-row int4 loop runs magic1 as magic0
                 if m in (3, 4, 5, 8, 9) and not (loop == "fma" and bits == 4):
                     continue  # the mantissa trick and packed fp16 are the one-row int4 loop's
-                if m in (6, 7) and loop != "swap":
+                if m in (6, 7) and loop not in ("swap", "tma"):
                     continue  # int8's and int4's pairs are the swap loop's fragment
                 if loop == "fma" and bits == 4 and s < 2 and m < 8:
                     continue  # num_stages 1 is the packed loop's; the others compile the same
                 if magic is None or m in magic:
-                    out.append(name(dict(USE_DOT=int(loop != "fma"), SWAP=int(loop == "swap"),
+                    out.append(name(dict(USE_DOT=int(loop != "fma"), TMA=int(loop == "tma"),
+                                         SWAP=int(loop in ("swap", "tma")),
                                          BLOCK_N=bn, BLOCK_K=bk, split_k=split, PREFETCH=pf,
                                          MAGIC=m, BLOCK_M=bm, MAXNREG=sum(regs)), w,
                                     s))  # fmt: skip
@@ -222,13 +229,24 @@ def key(dtype: str, rows: int, N: int, K: int, *, bits: int = 8, group: int = 0)
 def illegal(name_: str, rows: int, N: int, K: int, dtype: str, *, bits: int = 8,
             group: int = 0) -> str | None:  # fmt: skip
     """Why this config cannot run a launch of rows x K by N (None if it can)."""
-    kw, _, _ = parse(name_)
+    kw, w, _ = parse(name_)
     split, bn, bk, bm = kw["split_k"], kw["BLOCK_N"], kw["BLOCK_K"], kw["BLOCK_M"]
     bucket = row_bucket(rows)
     if not kw["USE_DOT"] and rows != 1:
         return "the fma loop computes one row"
     if kw["SWAP"] and rows == 1 and kw["MAGIC"] != 7:
         return "swap is for several rows (int4's magic7 aside)"
+    if kw["TMA"]:
+        if bits != 8:
+            return "the tma loop is int8's"
+        if bucket <= SINGLE_TILE or not bm:
+            return f"the tma loop is for tiles of rows (more than {SINGLE_TILE} rows, a BLOCK_M)"
+        if w != 4:
+            return "the tma loop runs 4 warps a partition (Triton warp-specializes no other)"
+        if split != 1:
+            return "the tma loop does not split K (its epilogue is not the split-K one)"
+        if K % 16:
+            return "the tma loop's copies need rows of a multiple of 16 bytes"
     if kw["MAGIC"] not in magics(dtype, bits):
         if kw["MAGIC"] == 6:
             return "magic6 (int8 pairs in PTX) makes fp16 from int8 only"

@@ -258,6 +258,10 @@ def w8a16_matmul(
         assert residual.stride(1) == 1
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     kw, warps, stages, grid = launch_plan(x, N, K, config, bits=8)
+    if kw.pop("TMA"):  # the warp-specialized loop (w8a16_tma.py)
+        from .w8a16_tma import w8a16_tma_matmul
+
+        return w8a16_tma_matmul(x, q, scale, bias, gelu, residual, y, kw, stages, grid)
     ws, counters = device_scratch(x.device)
     _w8a16[grid](
         x, q, scale, bias if bias is not None else scale,

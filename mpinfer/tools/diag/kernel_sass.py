@@ -43,10 +43,10 @@ def compile_config(
     """The compiled kernel (Triton's CompiledKernel) of `config` for GPUs of `arch`, fp16
     activations, a bias, no GeLU or residual, whole K tiles, for a launch of `rows` (a config
     without BLOCK_M takes the rows' bucket's tile)."""
-    from ...model.kernels import w4a16, w8a16
+    from ...model.kernels import w4a16, w8a16, w8a16_tma
 
-    kernel = w8a16._w8a16 if bits == 8 else w4a16._w4a16
     kw, warps, stages = tuning.parse(config)
+    kernel = w8a16_tma._w8a16_tma if kw["TMA"] else w8a16._w8a16 if bits == 8 else w4a16._w4a16
     kw = dict(kw, BLOCK_M=tuning.block_m(kw, rows), BLOCK_K=kw["BLOCK_K"]
               if bits == 8 else group)  # fmt: skip
     names = list(inspect.signature(kernel.fn).parameters)
@@ -93,6 +93,8 @@ def loop_report(
             "registers": int(re.search(r"REG:(\d+)", usage)[1]),
             "stack_bytes": int(re.search(r"STACK:(\d+)", usage)[1]),
             "shared_bytes": compiled.metadata.shared, "loop_instructions": len(loop),
+            # setmaxnreg: the partitions of a warp-specialized kernel re-balance their registers
+            "warp_specialized": "USETMAXREG" in sass,
             "loop_ops": dict(ops.most_common())}  # fmt: skip
 
 
@@ -112,7 +114,8 @@ def main() -> None:
         r = loop_report(config, bits=a.bits, arch=a.arch, rows=a.rows)
         top = ", ".join(f"{k} {v}" for k, v in list(r["loop_ops"].items())[:12])
         print(f"{config} ({r['arch']}, Triton {r['triton']}): {r['registers']} registers, "
-              f"{r['stack_bytes']} B of stack (spills), {r['shared_bytes']} B shared; loop "
+              f"{r['stack_bytes']} B of stack (spills), {r['shared_bytes']} B shared"
+              f"{', warp-specialized' if r['warp_specialized'] else ''}; loop "
               f"{r['loop_instructions']} instructions: {top}")  # fmt: skip
 
 

@@ -1,0 +1,109 @@
+"""The W8A16 matmul's warp-specialized loop for many rows (Hopper): `tma` configs.
+
+The swap loop of w8a16.py (y^T = w @ x^T, the converted int8 tile as the tensor cores'
+register operand) with its tiles brought in by the TMA engine and its K loop split by Triton's
+Hopper warp specialization (`tl.range(..., warp_specialize=True)`, Triton 3.5 and later, four
+warps a partition): a producer warp group issues the copies of the int8 weight tile and of x's
+tile into a ring of shared-memory stages, and two consumer warp groups, half of the weight rows
+each, convert their half in registers and run the tensor cores. cuBLAS's Hopper kernels take
+this shape (a producer feeding two consumers); the pointer-loaded loop cannot: its barriers and
+conversions stall the same warps that issue the products, and Triton warp-specializes a loop
+only when its loads are tensor descriptors and it runs four warps (with eight it compiles the
+plain loop). The epilogue (scale, bias, GeLU, residual) is the other loops' on the transposed
+tile, so each row of y is stored whole; K is not split (Triton warp-specializes no loop whose
+epilogue has the split-K counters: tuning.illegal refuses tma configs with splits).
+
+The copies' descriptors are made in the kernel (in global scratch memory that
+`_descriptor_scratch` hands Triton); they need 16-byte aligned bases and rows (K % 16 == 0) and
+fill rows past M or N and columns past K with zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .w8a16 import _to_compute
+
+
+@triton.jit
+def _w8a16_tma(
+    x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr,
+    M, N, K, stride_xm, stride_ym, stride_rm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, MAGIC: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)  # row tiles fastest: they share each weight tile in L2
+    pid_n = tl.program_id(1)
+    cdt = x_ptr.dtype.element_ty
+    # made in the kernel, not by the launcher: Triton's partitioner cuts the weight tile's copy
+    # into the consumers' halves and gives them descriptors of that block (a launcher's
+    # descriptor keeps the whole tile's block: Triton 3.6 then copies twice the bytes its
+    # barriers expect, 3.9 refuses to compile)
+    x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, [N, K], [K, 1], [BLOCK_N, BLOCK_K])
+    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES, warp_specialize=True):
+        w = w_desc.load([pid_n * BLOCK_N, k])  # (BLOCK_N, BLOCK_K) int8
+        x = x_desc.load([pid_m * BLOCK_M, k])  # (BLOCK_M, BLOCK_K)
+        acc_t = tl.dot(_to_compute(w, cdt, MAGIC), tl.trans(x), acc_t)  # (BLOCK_N, BLOCK_M)
+    # the epilogue on y (BLOCK_M, BLOCK_N): the scale and bias as vectors, rows stored whole
+    y = tl.trans(acc_t)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    mask = (offs_m[:, None] < M) & n_ok[None, :]
+    y = y * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ACT:  # tanh GeLU as launch.finish has it
+        y = y * tl.sigmoid(1.5957691216057308 * (y + 0.044715 * y * y * y))
+    if HAS_RES:
+        y += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask,
+                     other=0.0).to(tl.float32)  # fmt: skip
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(cdt), mask=mask)
+
+
+def w8a16_tma_matmul(x, q, scale, bias, gelu, residual, y, kw, stages, grid) -> torch.Tensor:
+    """Launch a `tma` config (w8a16_matmul's arguments, its launch plan; 4 warps)."""
+    M, K = x.shape
+    N = q.shape[0]
+    if x.data_ptr() % 16 or x.stride(0) % 8:  # copies need 16-byte aligned bases and rows
+        x = x.clone()
+    assert q.data_ptr() % 16 == 0 and K % 16 == 0, "tma: the weight's rows are not 16-byte aligned"
+    _descriptor_scratch(x.device)
+    _w8a16_tma[grid](
+        x, q, scale, bias if bias is not None else scale,
+        residual if residual is not None else y, y,
+        M, N, K, x.stride(0), y.stride(0), residual.stride(0) if residual is not None else 0,
+        BLOCK_M=kw["BLOCK_M"], BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"], STAGES=stages,
+        HAS_BIAS=bias is not None, ACT=gelu, HAS_RES=residual is not None, MAGIC=kw["MAGIC"],
+        num_warps=4, num_stages=stages,
+    )  # fmt: skip
+    return y
+
+
+_scratch: dict = {}  # device -> its descriptor buffers, newest last (none is ever freed)
+
+
+def _descriptor_scratch(device: torch.device) -> None:
+    """Give Triton the global memory in-kernel descriptors are written to (128 bytes each, two a
+    program): a buffer a device, made at the first launch and grown by a new one (the old ones
+    kept: a captured CUDA graph holds their pointers) when a launch needs more; never during a
+    capture (the engine and the benchmarks run every launch eagerly first). Launches on one
+    stream run in order, so they share it."""
+    key = str(device) if device.type != "cuda" or device.index is not None else \
+        f"cuda:{torch.cuda.current_device()}"  # fmt: skip
+    bufs = _scratch.setdefault(key, [])
+
+    def alloc(size: int, alignment: int, stream):
+        if not bufs or bufs[-1].numel() < size:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                why = "run the launch once before capturing"
+                raise RuntimeError(f"tma: {size} bytes of descriptors asked for in a CUDA graph "
+                                   f"capture ({why})")  # fmt: skip
+            bufs.append(torch.empty(max(size, 1 << 20), dtype=torch.uint8, device=device))
+        return bufs[-1]
+
+    triton.set_allocator(alloc)
