@@ -29,6 +29,8 @@ LAZY: dict[str, tuple[str, str]] = {
     "humming": ("", "a candidate kernel of mpinfer bench kernels (humming-kernels)"),
     # The kernels themselves import Triton at the top, so they are imported on a GPU only.
     "mpinfer.model.kernels.w8a16": ("", "the int8 matmul on a GPU"),
+    "mpinfer.model.kernels.w8a16_convert": ("", "the int8 matmul's conversions (w8a16.py's)"),
+    "mpinfer.model.kernels.w8a16_tma": ("", "the int8 matmul's warp-specialized loop on a GPU"),
     "mpinfer.model.kernels.w4a16": ("", "the int4 matmul on a GPU"),
     "mpinfer.model.kernels.w4a16_convert": ("", "the int4 matmul's conversions (w4a16.py's)"),
     "mpinfer.model.kernels.dequant": ("", "the matmuls of more than 256 rows on a GPU"),

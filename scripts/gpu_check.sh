@@ -49,6 +49,7 @@
 #             re-tuned, then the shipped table against the re-tuned one (bloom-7b1, BLOOM-176B)
 #   r13-tma   int8's warp-specialized loop: its family test, the tiled launches re-tuned, the
 #             matmul table (the re-tuned table is left in $RES and /tmp)
+#   r13-mix   after r13-tma: the unique mix in-process, the shipped table against the re-tuned
 #   ncu       Nsight Compute's counters of single matmul launches (NCU_RUNS, diag.matmul_profile)
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
@@ -263,6 +264,16 @@ r13-tma)  # round 13: int8's warp-specialized loop (tma configs): its GPU family
     cp "$table" "$RES/"; cp "$table" /tmp/r13-table.json
     TAIL=40 stage kernels "${KERNEL_TIME:-100}" bench kernels --rows 64,128,256,512,576 \
         --quant int8 --models bloom-7b1,bloom-176b:8 --out "$RES/kernels.json" ;;
+r13-mix)  # after r13-tma on the same machine: the unique mix in-process (32 clients, closed
+    # loop), the shipped table (its dequantizing crossover) against r13-tma's (nothing dequantized
+    # up to 512 rows), alternating
+    for arm in base tuned base tuned; do
+        [ "$arm" = base ] && cp /tmp/base.json "$table" && extra=() || \
+            { cp /tmp/r13-table.json "$table"; extra=(--dequant-rows 1024); }
+        TAIL=6 stage "mix-$arm-$SECONDS" "${MIX_TIME:-110}" python3 -m mpinfer.tools.diag.mixed_step \
+            --quick --seconds "${SUSTAIN:-15}" "${extra[@]}" --out "$RES/mix-$arm-$SECONDS.json"
+    done
+    cp /tmp/r13-table.json "$table" ;;
 ncu)  # Nsight Compute's counters of single launches (NCU_RUNS: ';'-separated argument lists of
     # diag.matmul_profile: shape, rows, bits, configs)
     IFS=';' read -ra runs <<< "${NCU_RUNS:?NCU_RUNS: e.g. --shape 12288x4096 --rows 512 CONFIG}"

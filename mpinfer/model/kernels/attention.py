@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .tuning import CHUNK_TILE, attention_splits, sm_count
-from .w8a16 import _to_compute
+from .w8a16_convert import _to_compute
 
 
 @triton.jit

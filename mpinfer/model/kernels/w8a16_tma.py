@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .w8a16 import _to_compute
+from .w8a16_convert import _to_compute
 
 
 @triton.jit
