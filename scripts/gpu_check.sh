@@ -257,7 +257,7 @@ r12-magic8)  # round 12: int4's one-row loop in packed fp16 (magic8): its GPU fa
 r13-tma)  # round 13: int8's warp-specialized loop (tma configs): its GPU family test, the tiled
     # int8 launches re-tuned with it in the sweep (MODELS8, 128-512 rows), the matmul table
     cp "$table" /tmp/base.json
-    MPINFER_FAMILY_ONLY=tma TAIL=6 stage gpu-tests-tma "${TEST_TIME:-80}" gpu_tests \
+    MPINFER_FAMILY_ONLY=tma+magic6,tma+magic2 TAIL=6 stage gpu-tests-tma "${TEST_TIME:-80}" gpu_tests \
         -k "every_config_family and dtype0-8"
     TAIL=4 stage tune-int8-tiled "${TUNE8_TIME:-130}" bench kernels --tune "$table" --quant int8 \
         --rows 128,256,512 --models "${MODELS8:-bloom-7b1}" --out "$RES/tune-int8-tiled.json"

@@ -132,9 +132,10 @@ def test_every_config_family_split_k(bits, dtype):
     int8), at 1, 7 and 20 rows, and the tiled families at 150 rows (three row tiles of 64, two
     of 128): it matches the reference and leaves every tile counter at zero for the next
     launch. Tuning only ever runs the winner, so without this a broken variant could wait for
-    the one GPU it wins on. MPINFER_FAMILY_ONLY=magic8,magic9 (words of the names) runs those
-    configs alone, for a GPU call that checks a new family and has no time for the others
-    (select the dtype and bits that have them with -k: a filter that matches nothing fails)."""
+    the one GPU it wins on. MPINFER_FAMILY_ONLY=magic8,magic9 (words of the names;
+    "tma+magic6": both words) runs those configs alone, for a GPU call that checks a new family
+    and has no time for the others (select the dtype and bits that have them with -k: a filter
+    that matches nothing fails)."""
     from mpinfer.model.kernels import launch, tuning, w4a16, w8a16
     from mpinfer.model.quant import quantize_int4
 
@@ -152,7 +153,8 @@ def test_every_config_family_split_k(bits, dtype):
         p4 = quantize_int4(w, 128)
         names = tuning.names(tuning.INT4_FAMILIES, (1, 3), dt, bits=4, group=128)
     only = os.environ.get("MPINFER_FAMILY_ONLY")
-    names = [n for n in names if only is None or set(only.split(",")) & set(n.split())]
+    names = [n for n in names if only is None  # any alternative, all of whose words are in n
+             or any(set(alt.split("+")) <= set(n.split()) for alt in only.split(","))]  # fmt: skip
     assert names, f"MPINFER_FAMILY_ONLY={only}: no {dt} int{bits} config has it (pick its -k)"
     failures = []
     for config in names:
