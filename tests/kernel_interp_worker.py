@@ -60,6 +60,22 @@ def main() -> int:
         y = w8a16.w8a16_matmul(x, q, s, b, gelu=True, residual=res, config=cfg)
         ok &= check(f"int8 {M} rows {cfg}", y, fused(x.float() @ q.float().T * s + b.float(),
                                                      True, res))  # fmt: skip
+    # a tma config on a Triton that cannot build it runs its tile in the swap loop, once warned
+    real = w8a16.w8a16_tma_matmul
+
+    def unbuildable(*args):
+        raise RuntimeError("PassManager::run failed (a stand-in)")
+
+    w8a16.w8a16_tma_matmul = unbuildable
+    try:
+        x = torch.randn(130, K, generator=g).to(dt)
+        for _ in range(2):  # the second launch goes straight to the swap loop
+            y = w8a16.w8a16_matmul(x, q, s, b, config="tma n128 k64 split1 pf0 magic6 w4 s3 m128")
+            ok &= check("int8 tma unbuilt -> swap", y, x.float() @ q.float().T * s + b.float())
+        ok &= len(w8a16.TMA_UNBUILT) == 1
+    finally:
+        w8a16.w8a16_tma_matmul = real
+        w8a16.TMA_UNBUILT.clear()
     N, K = 100, 640  # five groups of 128: uneven splits, a last odd group for two-at-a-time
     for sym in (False, True):
         p, s4, o4 = quantize_int4(torch.randn(N, K, generator=g), 128, symmetric=sym)

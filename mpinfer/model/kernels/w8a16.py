@@ -28,6 +28,8 @@ the GPU's tuned table or the default rule (tuning.py):
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +37,10 @@ import triton.language as tl
 from .launch import device_scratch, launch_plan, reduce_and_finish
 from .w8a16_convert import _to_compute
 from .w8a16_tma import w8a16_tma_matmul
+
+log = logging.getLogger("mpinfer")
+# tma families (BLOCK_M, BLOCK_N, BLOCK_K, MAGIC, stages) this process's Triton could not build
+TMA_UNBUILT: dict[tuple, str] = {}
 
 
 @triton.jit(do_not_specialize=["split_k"])
@@ -170,7 +176,20 @@ def w8a16_matmul(
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     kw, warps, stages, grid = launch_plan(x, N, K, config, bits=8)
     if kw.pop("TMA"):  # the warp-specialized loop (w8a16_tma.py)
-        return w8a16_tma_matmul(x, q, scale, bias, gelu, residual, y, kw, stages, grid)
+        family = (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["MAGIC"], stages)
+        if family not in TMA_UNBUILT:
+            try:
+                return w8a16_tma_matmul(x, q, scale, bias, gelu, residual, y, kw, stages, grid)
+            except (RuntimeError, AttributeError, triton.CompilationError) as e:
+                # a Triton that cannot build it (the partitioner is new: 3.5+); never inside a
+                # capture, where the launch was run eagerly first
+                if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                    raise
+                TMA_UNBUILT[family] = f"{type(e).__name__}: {str(e)[:300]}"
+                log.warning("tma config %s does not build on Triton %s (%s): the pointer-loaded "
+                            "swap loop of its tile runs instead", config or "from the table",
+                            triton.__version__, TMA_UNBUILT[family])  # fmt: skip
+        warps = 8  # the same tile in the pointer-loaded swap loop (kw's SWAP is set)
     ws, counters = device_scratch(x.device)
     _w8a16[grid](
         x, q, scale, bias if bias is not None else scale,
