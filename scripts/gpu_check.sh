@@ -262,8 +262,8 @@ r13-tma)  # round 13: int8's warp-specialized loop (tma configs): its GPU family
     TAIL=4 stage tune-int8-tiled "${TUNE8_TIME:-130}" bench kernels --tune "$table" --quant int8 \
         --rows 128,256,512 --models "${MODELS8:-bloom-7b1}" --out "$RES/tune-int8-tiled.json"
     cp "$table" "$RES/"; cp "$table" /tmp/r13-table.json
-    TAIL=40 stage kernels "${KERNEL_TIME:-100}" bench kernels --rows 64,128,256,512,576 \
-        --quant int8 --models bloom-7b1,bloom-176b:8 --out "$RES/kernels.json" ;;
+    TAIL=40 stage kernels "${KERNEL_TIME:-100}" bench kernels --rows "${ROWS_K:-64,128,256,512,576}" \
+        --quant int8 --models "${MODELS_K:-bloom-7b1,bloom-176b:8}" --out "$RES/kernels.json" ;;
 r13-mix)  # after r13-tma on the same machine: the unique mix in-process (32 clients, closed
     # loop), the shipped table (its dequantizing crossover) against r13-tma's (nothing dequantized
     # up to 512 rows), alternating
