@@ -204,41 +204,32 @@ def _w4a16(
             x64 = x_ptr.to(tl.pointer_type(tl.int64)) + g_lo * (BLOCK_K // 4) + offs_w
             sz = g_lo * N + rows_c[:, None]  # (BLOCK_N, 1): scales' and offsets' offsets
             acc3 = tl.zeros((BLOCK_N, GP, WORDS // WORD_RUN), dtype=tl.float32)
+            # STAGES 2 or more: a register pipeline, the next tile's weights, scales and offsets
+            # loaded before this tile's arithmetic (Triton's pipeliner leaves a loop without
+            # dots alone, and ptxas issues loads after the arithmetic before them). x is not
+            # carried (its pairs would be 64 registers more, for loads that hit L1). Past the
+            # split's end the next tile re-reads the split's last group, unused.
             if STAGES >= 2:
-                # a register pipeline: the next tile's weights, scales and offsets are loaded
-                # before this tile's arithmetic (Triton's pipeliner leaves a loop without dots
-                # alone, and ptxas issues loads after the arithmetic before them). x is not
-                # carried (its pairs would be 64 registers more, for loads that hit L1). Past
-                # the split's end the next tile re-reads the split's last group, unused.
                 gi = tl.minimum(grp, g_hi - g_lo - 1)
                 b_n, s_n, z_n = _word_weights(w32, s_ptr, z_ptr, sz, gi, N, WORDS)
-                for g in range(g_lo, g_hi, GP):
+            for g in range(g_lo, g_hi, GP):
+                last = tl.minimum(g_hi - g, GP) - 1  # the tile's last real group
+                gi = tl.minimum(grp, last)
+                if STAGES >= 2:
                     b, s, z = b_n, s_n, z_n
-                    gi = tl.minimum(grp, g_hi - g - 1)
-                    xl, xh, xg = _word_xs(x64, xs_ptr, g, gi, WORDS, MAGIC)
-                    gn = tl.minimum(grp, g_hi - g - GP - 1)  # the next tile's groups
+                    gn = tl.minimum(grp, g_hi - g - GP - 1)  # the next tile's
                     b_n, s_n, z_n = _word_weights(w32 + GP * WORDS, s_ptr, z_ptr, sz + GP * N, gn,
                                                   N, WORDS)  # fmt: skip
-                    keep = (grp < g_hi - g)[None, :]
-                    s = tl.where(keep, s, 0.0)
-                    z = tl.where(keep, z, 0.0)
-                    acc3 += _word_sums(b, s, z, xl, xh, xg, BLOCK_N, GP, WORDS, MAGIC)
-                    w32 += GP * WORDS
-                    x64 += GP * 2 * WORDS
-                    sz += GP * N
-            else:
-                for g in range(g_lo, g_hi, GP):
-                    last = tl.minimum(g_hi - g, GP) - 1  # the tile's last real group
-                    gi = tl.minimum(grp, last)
+                else:
                     b, s, z = _word_weights(w32, s_ptr, z_ptr, sz, gi, N, WORDS)
-                    xl, xh, xg = _word_xs(x64, xs_ptr, g, gi, WORDS, MAGIC)
-                    keep = (grp <= last)[None, :]
-                    s = tl.where(keep, s, 0.0)
-                    z = tl.where(keep, z, 0.0)
-                    acc3 += _word_sums(b, s, z, xl, xh, xg, BLOCK_N, GP, WORDS, MAGIC)
-                    w32 += GP * WORDS
-                    x64 += GP * 2 * WORDS
-                    sz += GP * N
+                xl, xh, xg = _word_xs(x64, xs_ptr, g, gi, WORDS, MAGIC)
+                keep = (grp <= last)[None, :]  # a repeated group's scale and offset are zeroed
+                s = tl.where(keep, s, 0.0)
+                z = tl.where(keep, z, 0.0)
+                acc3 += _word_sums(b, s, z, xl, xh, xg, BLOCK_N, GP, WORDS, MAGIC)
+                w32 += GP * WORDS
+                x64 += GP * 2 * WORDS
+                sz += GP * N
             acc2 = tl.sum(acc3, axis=2)
         else:  # MAGIC 1 (fp16 only) is MAGIC 0 here: its weights would be widened
             CONV: tl.constexpr = 0 if MAGIC == 1 else MAGIC
