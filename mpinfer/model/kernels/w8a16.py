@@ -180,6 +180,8 @@ def w8a16_matmul(
         if family not in TMA_UNBUILT:
             try:
                 return w8a16_tma_matmul(x, q, scale, bias, gelu, residual, y, kw, stages, grid)
+            except torch.OutOfMemoryError:
+                raise
             except (RuntimeError, AttributeError, triton.CompilationError) as e:
                 # a Triton that cannot build it (the partitioner is new: 3.5+); never inside a
                 # capture, where the launch was run eagerly first
