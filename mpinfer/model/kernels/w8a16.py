@@ -183,7 +183,7 @@ def w8a16_matmul(
             except torch.OutOfMemoryError:
                 raise
             except (RuntimeError, AttributeError, triton.CompilationError) as e:
-                # a Triton that cannot build it (the partitioner is new: 3.5+); never inside a
+                # a Triton that cannot build it (the partitioner is recent); never inside a
                 # capture, where the launch was run eagerly first
                 if x.is_cuda and torch.cuda.is_current_stream_capturing():
                     raise

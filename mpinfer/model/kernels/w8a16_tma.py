@@ -1,17 +1,17 @@
 """The W8A16 matmul's warp-specialized loop for many rows (Hopper): `tma` configs.
 
-The swap loop of w8a16.py (y^T = w @ x^T, the converted int8 tile as the tensor cores'
-register operand) with its tiles brought in by the TMA engine and its K loop split by Triton's
-Hopper warp specialization (`tl.range(..., warp_specialize=True)`, Triton 3.5 and later, four
-warps a partition): a producer warp group issues the copies of the int8 weight tile and of x's
-tile into a ring of shared-memory stages, and two consumer warp groups, half of the weight rows
-each, convert their half in registers and run the tensor cores. cuBLAS's Hopper kernels take
-this shape (a producer feeding two consumers); the pointer-loaded loop cannot: its barriers and
-conversions stall the same warps that issue the products, and Triton warp-specializes a loop
-only when its loads are tensor descriptors and it runs four warps (with eight it compiles the
-plain loop). The epilogue (scale, bias, GeLU, residual) is the other loops' on the transposed
-tile, so each row of y is stored whole; K is not split (Triton warp-specializes no loop whose
-epilogue has the split-K counters: tuning.illegal refuses tma configs with splits).
+The swap loop of w8a16.py (y^T = w @ x^T, the converted int8 tile as the tensor cores' register
+operand) with its tiles brought in by the TMA engine and its K loop split by Triton's Hopper warp
+specialization (`tl.range(..., warp_specialize=True)`; checked with Triton 3.6 and 3.9, four warps
+a partition): a producer warp group issues the copies of the int8 weight tile and of x's tile into
+a ring of shared-memory stages, and two consumer warp groups, half of the weight rows each,
+convert their half in registers and run the tensor cores. cuBLAS's Hopper kernels take this shape
+(a producer feeding two consumers); the pointer-loaded loop cannot: its barriers and conversions
+stall the same warps that issue the products, and Triton warp-specializes a loop only when its
+loads are tensor descriptors and it runs four warps (with eight it compiles the plain loop). The
+epilogue (scale, bias, GeLU, residual) is the other loops' on the transposed tile, so each row of
+y is stored whole; K is not split (Triton warp-specializes no loop whose epilogue has the split-K
+counters: tuning.illegal refuses tma configs with splits).
 
 The copies' descriptors are made in the kernel (in global scratch memory that
 `_descriptor_scratch` hands Triton); they need 16-byte aligned bases and rows (K % 16 == 0) and
@@ -84,7 +84,7 @@ def w8a16_tma_matmul(x, q, scale, bias, gelu, residual, y, kw, stages, grid) -> 
     return y
 
 
-_scratch: dict = {}  # device -> its descriptor buffers, newest last (none is ever freed)
+_allocators: dict = {}  # device -> the allocator Triton gets for its launches
 
 
 def _descriptor_scratch(device: torch.device) -> None:
@@ -92,18 +92,21 @@ def _descriptor_scratch(device: torch.device) -> None:
     program): a buffer a device, made at the first launch and grown by a new one (the old ones
     kept: a captured CUDA graph holds their pointers) when a launch needs more; never during a
     capture (the engine and the benchmarks run every launch eagerly first). Launches on one
-    stream run in order, so they share it."""
+    stream run in order, so they share it. Set before every launch: Triton keeps its allocator
+    in a context variable, which a thread that did not set it does not see."""
     key = str(device) if device.type != "cuda" or device.index is not None else \
         f"cuda:{torch.cuda.current_device()}"  # fmt: skip
-    bufs = _scratch.setdefault(key, [])
+    if key not in _allocators:
+        bufs: list[torch.Tensor] = []  # newest last; none is ever freed
 
-    def alloc(size: int, alignment: int, stream):
-        if not bufs or bufs[-1].numel() < size:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                why = "run the launch once before capturing"
-                raise RuntimeError(f"tma: {size} bytes of descriptors asked for in a CUDA graph "
-                                   f"capture ({why})")  # fmt: skip
-            bufs.append(torch.empty(max(size, 1 << 20), dtype=torch.uint8, device=device))
-        return bufs[-1]
+        def alloc(size: int, alignment: int, stream):
+            if not bufs or bufs[-1].numel() < size:
+                if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    why = "run the launch once before capturing"
+                    raise RuntimeError(f"tma: {size} bytes of descriptors asked for in a CUDA "
+                                       f"graph capture ({why})")  # fmt: skip
+                bufs.append(torch.empty(max(size, 1 << 20), dtype=torch.uint8, device=device))
+            return bufs[-1]
 
-    triton.set_allocator(alloc)
+        _allocators[key] = alloc
+    triton.set_allocator(_allocators[key])
