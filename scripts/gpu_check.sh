@@ -49,6 +49,8 @@
 #             re-tuned, then the shipped table against the re-tuned one (bloom-7b1, BLOOM-176B)
 #   r13-tma   int8's warp-specialized loop: its family test, the tiled launches re-tuned, the
 #             matmul table (the re-tuned table is left in $RES and /tmp)
+#   r14-int4  int4's warp-specialized loop: its family test, the tiled int4 launches re-tuned
+#             with it, the int4 matmul table, the int4 unique mix (shipped table vs re-tuned)
 #   r13-mix   after r13-tma: the unique mix in-process, the shipped table against the re-tuned
 #   ncu       Nsight Compute's counters of single matmul launches (NCU_RUNS, diag.matmul_profile)
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
@@ -260,7 +262,8 @@ r13-tma)  # round 13: int8's warp-specialized loop (tma configs): its GPU family
     MPINFER_FAMILY_ONLY=tma+magic6,tma+magic2 TAIL=6 stage gpu-tests-tma "${TEST_TIME:-80}" gpu_tests \
         -k "every_config_family and dtype0-8"
     TAIL=4 stage tune-int8-tiled "${TUNE8_TIME:-130}" bench kernels --tune "$table" --quant int8 \
-        --rows 128,256,512 --models "${MODELS8:-bloom-7b1}" --out "$RES/tune-int8-tiled.json"
+        --rows "${ROWS8:-128,256,512}" --models "${MODELS8:-bloom-7b1}" \
+        --out "$RES/tune-int8-tiled.json"
     cp "$table" "$RES/"; cp "$table" /tmp/r13-table.json
     TAIL=40 stage kernels "${KERNEL_TIME:-100}" bench kernels --rows "${ROWS_K:-64,128,256,512,576}" \
         --quant int8 --models "${MODELS_K:-bloom-7b1,bloom-176b:8}" --out "$RES/kernels.json" ;;
@@ -274,6 +277,27 @@ r13-mix)  # after r13-tma on the same machine: the unique mix in-process (32 cli
             --quick --seconds "${SUSTAIN:-15}" "${extra[@]}" --out "$RES/mix-$arm-$SECONDS.json"
     done
     cp /tmp/r13-table.json "$table" ;;
+r14-int4)  # round 14: int4's warp-specialized loop (int4 tma configs): its GPU family test, the
+    # tiled int4 launches re-tuned with it in the sweep (MODELS4T, ROWS4), the int4 matmul
+    # table, then the int4 unique mix in-process, the shipped table (past 256 rows dequantized)
+    # against the re-tuned one with nothing dequantized up to 512 rows, alternating
+    cp "$table" /tmp/base4.json
+    MPINFER_FAMILY_ONLY=tma TAIL=6 stage gpu-tests-tma4 "${TEST_TIME:-80}" gpu_tests \
+        -k "every_config_family and dtype0-4"
+    TAIL=4 stage tune-int4-tiled "${TUNE4_TIME:-150}" bench kernels --tune "$table" --quant int4 \
+        --rows "${ROWS4:-128,256,512}" --models "${MODELS4T:-bloom-7b1}" \
+        --out "$RES/tune-int4-tiled.json"
+    cp "$table" "$RES/int4-table.json"; cp "$table" /tmp/r14-int4-table.json
+    TAIL=40 stage kernels4 "${KERNEL_TIME:-90}" bench kernels --rows "${ROWS_K:-64,128,256,512}" \
+        --quant int8,int4 --models "${MODELS_K:-bloom-7b1}" --out "$RES/kernels4.json"
+    for arm in base tuned base tuned; do
+        [ "$arm" = base ] && cp /tmp/base4.json "$table" && extra=() || \
+            { cp /tmp/r14-int4-table.json "$table"; extra=(--dequant-rows 512); }
+        TAIL=6 stage "mix4-$arm-$SECONDS" "${MIX_TIME:-90}" python3 -m mpinfer.tools.diag.mixed_step \
+            --quick --quant int4 --seconds "${SUSTAIN:-15}" "${extra[@]}" \
+            --out "$RES/mix4-$arm-$SECONDS.json"
+    done
+    cp /tmp/r14-int4-table.json "$table" ;;
 ncu)  # Nsight Compute's counters of single launches (NCU_RUNS: ';'-separated argument lists of
     # diag.matmul_profile: shape, rows, bits, configs)
     IFS=';' read -ra runs <<< "${NCU_RUNS:?NCU_RUNS: e.g. --shape 12288x4096 --rows 512 CONFIG}"

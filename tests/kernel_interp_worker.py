@@ -13,7 +13,14 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
-from mpinfer.model.kernels import attention, dequant, tuning, w4a16, w8a16  # noqa: E402
+from mpinfer.model.kernels import (  # noqa: E402
+    attention,
+    dequant,
+    tuning,
+    w4a16,
+    w8a16,
+    w8a16_tma,
+)
 from mpinfer.model.quant import dequantize_int4, quantize_int4, quantize_rows  # noqa: E402
 
 # The interpreter has no CUDA device: one CPU scratch for both kernels.
@@ -72,10 +79,10 @@ def main() -> int:
         for _ in range(2):  # the second launch goes straight to the swap loop
             y = w8a16.w8a16_matmul(x, q, s, b, config="tma n128 k64 split1 pf0 magic6 w4 s3 m128")
             ok &= check("int8 tma unbuilt -> swap", y, x.float() @ q.float().T * s + b.float())
-        ok &= len(w8a16.TMA_UNBUILT) == 1
+        ok &= len(w8a16_tma.TMA_UNBUILT) == 1
     finally:
         w8a16.w8a16_tma_matmul = real
-        w8a16.TMA_UNBUILT.clear()
+        w8a16_tma.TMA_UNBUILT.clear()
     N, K = 100, 640  # five groups of 128: uneven splits, a last odd group for two-at-a-time
     for sym in (False, True):
         p, s4, o4 = quantize_int4(torch.randn(N, K, generator=g), 128, symmetric=sym)
@@ -106,6 +113,31 @@ def main() -> int:
             y = w4a16.w4a16_matmul(x, p, s4, o4, b, gelu=True, residual=res, config=cfg)
             ok &= check(f"int4 sym={sym} {M} rows {cfg}", y,
                         fused(x.float() @ w.T + b.float(), True, res))  # fmt: skip
+    # int4's tma loop: N ragged against its 64 rows (a multiple of 8: its scales' copies), K of
+    # five groups; rows past M or N come in zero-filled
+    for sym in (False, True):
+        p, s4, o4 = quantize_int4(torch.randn(104, K, generator=g), 128, symmetric=sym)
+        w, b4 = dequantize_int4(p, s4, o4), torch.randn(104, generator=g).to(dt)
+        for M, cfg in [(130, "tma n64 k128 split1 pf0 magic1 w4 s3 m128"),
+                       (200, "tma n64 k128 split1 pf0 magic0 w4 s4 m64")]:  # fmt: skip
+            x = torch.randn(M, K, generator=g).to(dt)
+            res = torch.randn(M, 104, generator=g).to(dt)
+            y = w4a16.w4a16_matmul(x, p, s4, o4, b4, gelu=True, residual=res, config=cfg)
+            ok &= check(f"int4 sym={sym} {M} rows {cfg}", y,
+                        fused(x.float() @ w.T + b4.float(), True, res))  # fmt: skip
+    # an int4 tma config on a Triton that cannot build it runs its tile in the swap loop
+    real = w4a16.w4a16_tma_matmul
+    w4a16.w4a16_tma_matmul = unbuildable
+    try:
+        x = torch.randn(130, K, generator=g).to(dt)
+        for _ in range(2):  # the second launch goes straight to the swap loop
+            y = w4a16.w4a16_matmul(x, p, s4, o4, b4, config="tma n64 k128 split1 pf0 magic1 w4 "
+                                   "s3 m128")  # fmt: skip
+            ok &= check("int4 tma unbuilt -> swap", y, x.float() @ w.T + b4.float())
+        ok &= len(w8a16_tma.TMA_UNBUILT) == 1
+    finally:
+        w4a16.w4a16_tma_matmul = real
+        w8a16_tma.TMA_UNBUILT.clear()
     # magic7, magic8 and magic9 where a group's offset is far past its range (z * sum(x) dwarfs
     # s * sum(q x): a dropped or misplaced offset term shows) and where a group is constant
     w = torch.randn(N, K, generator=g)

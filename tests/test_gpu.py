@@ -136,7 +136,7 @@ def test_every_config_family_split_k(bits, dtype):
     "tma+magic6": both words) runs those configs alone, for a GPU call that checks a new family
     and has no time for the others (select the dtype and bits that have them with -k: a filter
     that matches nothing fails)."""
-    from mpinfer.model.kernels import launch, tuning, w4a16, w8a16
+    from mpinfer.model.kernels import launch, tuning, w4a16, w8a16, w8a16_tma
     from mpinfer.model.quant import quantize_int4
 
     _, counters = launch.device_scratch(torch.device("cuda"))
@@ -177,6 +177,8 @@ def test_every_config_family_split_k(bits, dtype):
                 failures.append((config, M, err))
             counters.zero_()
     assert not failures, failures
+    # a tma config that fell back to the swap loop passed as another kernel: name it
+    assert not w8a16_tma.TMA_UNBUILT, w8a16_tma.TMA_UNBUILT
 
 
 def _engine_tokens(runner, prompts, params_list, **engine_kw):

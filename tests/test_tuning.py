@@ -65,6 +65,19 @@ def test_every_sweep_config_name_round_trips():
         assert tuning.illegal(tma[0], **args), bad
     assert tuning.illegal(tma[0].replace("split1", "split2"), 200, 4096, 4096, "float16")
     assert tuning.illegal(tma[0].replace(" w4 ", " w8 "), 200, 4096, 4096, "float16")
+    # int4's: 64 weight rows, at most 128 of x, magic0 or magic1, rows of scales of 16 bytes
+    tma4 = [n for n in tuning.candidates(256, "float16", bits=4) if n.startswith("tma")]
+    legal4 = [n for n in tma4 if not tuning.illegal(n, 256, 4096, 4096, "float16", bits=4,
+                                                      group=128)]  # fmt: skip
+    assert legal4 and all(n.split()[1] == "n64" and n.split()[5] in ("magic0", "magic1")
+                          for n in legal4)  # fmt: skip
+    for bad in (dict(N=4100), dict(rows=32), dict(dtype="bfloat16")):  # magic1: fp16 only
+        args = dict(rows=256, N=4096, K=4096, dtype="float16") | bad
+        cfg = next(n for n in legal4 if "magic1" in n)
+        assert tuning.illegal(cfg, **args, bits=4, group=128), bad
+    for wrong in (" n64 ", " n128 "), (" m128", " m256"), ("magic1", "magic2"):
+        cfg = next(n for n in legal4 if "magic1" in n and " m128" in n).replace(*wrong)
+        assert tuning.illegal(cfg, 256, 4096, 4096, "float16", bits=4, group=128), wrong
     assert "magic6" not in {n.split()[5] for n in bf16}
     assert {n.split()[2] for n in int4} == {"k64"}
     assert tuning.parse("swap n128 k64 split1 pf0 magic2 w8 s3 m128")[0]["BLOCK_M"] == 128
@@ -199,7 +212,7 @@ def test_every_shipped_table_is_runnable_and_covered_by_the_gpu_tests():
 
 
 def test_lookup_uses_the_table_of_the_gpu_it_runs_on(tmp_path, monkeypatch):
-    table = {"gpu": "Some GPU 80GB", "dequant_rows": 512, "configs": {
+    table = {"gpu": "Some GPU 80GB", "dequant_rows": 512, "int4_dequant_rows": 1024, "configs": {
         "float16 m1 4096x4096": "fma n8 k512 split1 pf1 magic1 w4 s1",
         "float16 m16 4096x4096": "dot n64 k128 split4 pf0 magic1 w4 s3",
         "bfloat16 m16 4096x4096": "dot n64 k128 split4 pf0 magic1 w4 s3",  # illegal: bf16 magic
@@ -214,6 +227,7 @@ def test_lookup_uses_the_table_of_the_gpu_it_runs_on(tmp_path, monkeypatch):
         assert tuning.lookup("Some GPU 80GB", "float16", 17, 4096, 4096) is None  # not tuned
         assert tuning.lookup("Some GPU 80GB", "bfloat16", 9, 4096, 4096) is None  # cannot run
         assert tuning.dequant_rows("Some GPU 80GB") == 512
+        assert tuning.dequant_rows("Some GPU 80GB", 4) == 1024  # int4's, measured apart
         assert tuning.lookup("Some GPU", "float16", 1, 4096, 4096) is None  # another GPU
         assert tuning.dequant_rows("Some GPU") is None
         # the same file name, but the table was measured on a GPU of another name
@@ -233,6 +247,7 @@ def test_lookup_uses_the_table_of_the_gpu_it_runs_on(tmp_path, monkeypatch):
      "not a kernel config name: 'dot n64'"),
     ('{"gpu": "Some GPU"}', "configs"),
     ('{"gpu": "Some GPU", "configs": {}, "dequant_rows": 16}', "dequant_rows=16"),
+    ('{"gpu": "Some GPU", "configs": {}, "int4_dequant_rows": "512"}', "int4_dequant_rows='512'"),
 ])  # fmt: skip
 def test_a_broken_table_is_an_error_naming_the_file(tmp_path, monkeypatch, text, what):
     (tmp_path / "some-gpu.json").write_text(text)
@@ -290,8 +305,8 @@ def test_matmul_shapes_from_a_config_json_and_bad_models(tmp_path):
 
 def test_a_tables_crossover_moves_where_int8_launches_dequantize(monkeypatch):
     """kernels._many: launches of more than DEQUANT_ROWS rows dequantize their weight, unless
-    the GPU's table names its measured crossover (int8 only; int4 keeps DEQUANT_ROWS), and the
-    diagnostic override wins over both."""
+    the GPU's table names its measured crossover for that weight width (int8's and int4's
+    apart), and the diagnostic override wins over both."""
     from types import SimpleNamespace
 
     from mpinfer.model import kernels
@@ -300,11 +315,15 @@ def test_a_tables_crossover_moves_where_int8_launches_dequantize(monkeypatch):
         return SimpleNamespace(numel=lambda: rows * 64, shape=(rows, 64), is_cuda=True,
                                device=SimpleNamespace(index=0))  # fmt: skip
 
-    monkeypatch.setattr(kernels, "_table_rows", lambda index: 512)
+    crossovers = {8: 512, 4: None}  # what a table without int4's entry gives
+    monkeypatch.setattr(kernels, "_table_rows",
+                        lambda index, bits: crossovers[bits] or kernels.DEQUANT_ROWS)  # fmt: skip
     assert [kernels._many(launch(r), bits=8) for r in (256, 257, 512, 513)] == [
         False, False, False, True]  # fmt: skip
     assert [kernels._many(launch(r), bits=4) for r in (256, 257)] == [False, True]
-    monkeypatch.setattr(kernels, "_table_rows", lambda index: kernels.DEQUANT_ROWS)  # no entry
+    crossovers.update({8: None, 4: 1024})
     assert [kernels._many(launch(r), bits=8) for r in (256, 257)] == [False, True]
+    assert [kernels._many(launch(r), bits=4) for r in (1024, 1025)] == [False, True]
+    crossovers[4] = None
     monkeypatch.setattr(kernels, "FORCE_DEQUANT_ROWS", 1024)
     assert not kernels._many(launch(1000), bits=4)

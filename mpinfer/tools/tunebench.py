@@ -86,16 +86,16 @@ def _compile(task) -> str | None:
     name, N, K, epilogue, M, dtype, config, bits, group = task
     _, (w,), x, bias, res = operands(name, N, K, epilogue, M, getattr(torch, dtype), 1, bits,
                                       group)  # fmt: skip
-    from ..model.kernels import w8a16
+    from ..model.kernels import w8a16_tma
 
-    unbuilt = len(w8a16.TMA_UNBUILT)
+    unbuilt = len(w8a16_tma.TMA_UNBUILT)
     try:
         run_quant(bits, x, w, bias, gelu=epilogue == "gelu", residual=res, config=config)
         torch.cuda.synchronize()
     except Exception as e:  # e.g. a tile that needs more shared memory than the GPU has
         return f"{type(e).__name__}: {str(e)[:200]}"
-    if len(w8a16.TMA_UNBUILT) > unbuilt:  # it ran as the swap loop: not the config it names
-        return f"tma does not build here: {list(w8a16.TMA_UNBUILT.values())[-1]}"
+    if len(w8a16_tma.TMA_UNBUILT) > unbuilt:  # it ran as the swap loop: not the config it names
+        return f"tma does not build here: {list(w8a16_tma.TMA_UNBUILT.values())[-1]}"
     return None
 
 
@@ -136,8 +136,9 @@ def tune(shapes: dict, keys: list, l2_bytes: int, table_path: str, *, bits: int 
         old = json.loads(Path(table_path).read_text())
         if old.get("gpu") == gpu:
             table["configs"].update(old["configs"])
-            if "dequant_rows" in old:  # measured by the served mix, not by this sweep
-                table["dequant_rows"] = old["dequant_rows"]
+            for field in tuning.CROSSOVERS.values():  # measured by served mixes, not here
+                if field in old:
+                    table[field] = old[field]
     rows = []
     for shape, N, K, epi, M, dtype, dt, cands in plan:
         runnable = [c for c in cands if _variant(shape, K, epi, M, dt, c) not in broken]

@@ -3,9 +3,10 @@ so it imports on a CPU machine. Each kernel has a pure-torch reference in quant.
 
 `int8_linear(x, q, scale, bias)` is the W8A16 matmul `(x @ q^T) * scale + bias` and
 `int4_linear(x, packed, scale, offset, bias)` the group-wise W4A16 one:
-- up to the GPU's crossover (int8: its tuned table's "dequant_rows"; else DEQUANT_ROWS, 256): one
-  Triton kernel each that reads the quantized weight once and converts it in registers
-  (w8a16.py, w4a16.py, launch.py), configured per row bucket by the GPU's tuned table or the
+- up to the GPU's crossover (its tuned table's "dequant_rows", int4's "int4_dequant_rows";
+  else DEQUANT_ROWS, 256): one Triton kernel each that reads the quantized weight once and
+  converts it in registers (w8a16.py, w4a16.py, launch.py, and on Hopper the warp-specialized
+  w8a16_tma.py, w4a16_tma.py), configured per row bucket by the GPU's tuned table or the
   default rule (tuning.py);
 - more rows (a long prefill, a step past the server's step cap): the weight is dequantized
   into a compute-dtype temporary for this one matmul (dequant.py: 1 byte read and 2 written
@@ -46,20 +47,20 @@ FORCE_DEQUANT_ROWS: int | None = None
 
 
 @functools.cache
-def _table_rows(index: int) -> int:
-    return dequant_rows(torch.cuda.get_device_name(index)) or DEQUANT_ROWS
+def _table_rows(index: int, bits: int) -> int:
+    return dequant_rows(torch.cuda.get_device_name(index), bits) or DEQUANT_ROWS
 
 
 def _many(x: torch.Tensor, *, bits: int) -> bool:
-    """Whether a launch of x's rows dequantizes its weight for cuBLAS (GPU activations). A
-    table's crossover was measured with int8 weights: int4 keeps DEQUANT_ROWS."""
+    """Whether a launch of x's rows dequantizes its weight for cuBLAS (GPU activations): past
+    the table's crossover for this weight width (int8's and int4's are measured apart)."""
     rows = x.numel() // x.shape[-1]
     if FORCE_DEQUANT_ROWS is not None:
         return rows > FORCE_DEQUANT_ROWS
-    if rows <= DEQUANT_ROWS or not x.is_cuda or bits != 8:
+    if rows <= DEQUANT_ROWS or not x.is_cuda:
         return rows > DEQUANT_ROWS
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return rows > _table_rows(index)
+    return rows > _table_rows(index, bits)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

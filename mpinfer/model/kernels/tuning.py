@@ -104,6 +104,8 @@ INT4_FAMILIES = [
     ("dot", 128, 128, 8, 3, 0, 128), ("dot", 128, 128, 8, 3, 0, 64),
     ("swap", 128, 128, 8, 3, 0, 128), ("swap", 128, 128, 8, 3, 0, 64),
     ("swap", 256, 128, 8, 3, 0, 128),
+    # Round 14: the warp-specialized loop (w4a16_tma.py: 64 weight rows, one consumer)
+    ("tma", 64, 128, 4, 3, 0, 128), ("tma", 64, 128, 4, 2, 0, 128), ("tma", 64, 128, 4, 4, 0, 64),
 ]  # fmt: skip
 SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 INT4_SPLITS = (1, 2, 3, 4, 6, 8)
@@ -178,6 +180,8 @@ def names(families, splits, dtype: str, magic=None, *, bits: int = 8, group: int
                     continue  # the mantissa trick and packed fp16 are the one-row int4 loop's
                 if m in (6, 7) and loop not in ("swap", "tma"):
                     continue  # int8's and int4's pairs are the swap loop's fragment
+                if loop == "tma" and bits == 4 and m > 1:
+                    continue  # int4's tma loop converts with magic0 or magic1 (`illegal`)
                 if loop == "fma" and bits == 4 and s < 2 and m < 8:
                     continue  # num_stages 1 is the packed loop's; the others compile the same
                 if magic is None or m in magic:
@@ -237,8 +241,13 @@ def illegal(name_: str, rows: int, N: int, K: int, dtype: str, *, bits: int = 8,
     if kw["SWAP"] and rows == 1 and kw["MAGIC"] != 7:
         return "swap is for several rows (int4's magic7 aside)"
     if kw["TMA"]:
-        if bits != 8:
-            return "the tma loop is int8's"
+        if bits == 4 and (bn != 64 or bm > 128):
+            # Triton partitions a tile between two consumers only for one product an iteration
+            return "int4's tma loop takes 64 weight rows and at most 128 of x (w4a16_tma.py)"
+        if bits == 4 and kw["MAGIC"] not in (0, 1):
+            return "int4's tma loop converts with magic0 or magic1"
+        if bits == 4 and N % 8:
+            return "int4's tma loop copies rows of scales: N a multiple of 8"
         if bucket <= SINGLE_TILE or not bm:
             return f"the tma loop is for tiles of rows (more than {SINGLE_TILE} rows, a BLOCK_M)"
         if w != 4:
@@ -356,9 +365,10 @@ def _shipped(gpu_name: str) -> dict:
             if not m or int(m[3]) not in ROW_BUCKETS:
                 raise ValueError(f"bad key {k!r} (e.g. 'float16 m16 12288x4096')")
             parse(config)
-        rows = data.get("dequant_rows")
-        if rows is not None and not (isinstance(rows, int) and rows >= SINGLE_TILE):
-            raise ValueError(f"dequant_rows={rows!r} must be an integer >= {SINGLE_TILE}")
+        for field in CROSSOVERS.values():
+            rows = data.get(field)
+            if rows is not None and not (isinstance(rows, int) and rows >= SINGLE_TILE):
+                raise ValueError(f"{field}={rows!r} must be an integer >= {SINGLE_TILE}")
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a kernel config table: {e}") from None
     return data if data.get("gpu") == gpu_name else {}
@@ -369,10 +379,15 @@ def table(gpu_name: str) -> dict[str, str]:
     return dict(_shipped(gpu_name).get("configs", {}))
 
 
-def dequant_rows(gpu_name: str) -> int | None:
-    """Past how many rows this GPU's table has a launch dequantize its weight for cuBLAS
-    (kernels/__init__.py), where the table says (measured on that GPU); else None."""
-    return _shipped(gpu_name).get("dequant_rows")
+# A table's crossovers, per weight width: past how many rows a launch dequantizes its weight
+# (each measured by a served mix of that width, not by the kernel sweep)
+CROSSOVERS = {8: "dequant_rows", 4: "int4_dequant_rows"}
+
+
+def dequant_rows(gpu_name: str, bits: int = 8) -> int | None:
+    """Past how many rows this GPU's table has a launch of `bits`-wide weights dequantize them
+    for cuBLAS (kernels/__init__.py), where the table says (measured on that GPU); else None."""
+    return _shipped(gpu_name).get(CROSSOVERS[bits])
 
 
 def lookup(gpu_name: str, dtype: str, rows: int, N: int, K: int, *, bits: int = 8,

@@ -28,19 +28,13 @@ the GPU's tuned table or the default rule (tuning.py):
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import triton
 import triton.language as tl
 
 from .launch import device_scratch, launch_plan, reduce_and_finish
 from .w8a16_convert import _to_compute
-from .w8a16_tma import w8a16_tma_matmul
-
-log = logging.getLogger("mpinfer")
-# tma families (BLOCK_M, BLOCK_N, BLOCK_K, MAGIC, stages) this process's Triton could not build
-TMA_UNBUILT: dict[tuple, str] = {}
+from .w8a16_tma import try_tma, w8a16_tma_matmul
 
 
 @triton.jit(do_not_specialize=["split_k"])
@@ -176,21 +170,10 @@ def w8a16_matmul(
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     kw, warps, stages, grid = launch_plan(x, N, K, config, bits=8)
     if kw.pop("TMA"):  # the warp-specialized loop (w8a16_tma.py)
-        family = (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["MAGIC"], stages)
-        if family not in TMA_UNBUILT:
-            try:
-                return w8a16_tma_matmul(x, q, scale, bias, gelu, residual, y, kw, stages, grid)
-            except torch.OutOfMemoryError:
-                raise
-            except (RuntimeError, AttributeError, triton.CompilationError) as e:
-                # a Triton that cannot build it (the partitioner is recent); never inside a
-                # capture, where the launch was run eagerly first
-                if x.is_cuda and torch.cuda.is_current_stream_capturing():
-                    raise
-                TMA_UNBUILT[family] = f"{type(e).__name__}: {str(e)[:300]}"
-                log.warning("tma config %s does not build on Triton %s (%s): the pointer-loaded "
-                            "swap loop of its tile runs instead", config or "from the table",
-                            triton.__version__, TMA_UNBUILT[family])  # fmt: skip
+        done = try_tma(lambda: w8a16_tma_matmul(x, q, scale, bias, gelu, residual, y, kw, stages,
+                                                grid), x, kw, stages, 8, config)  # fmt: skip
+        if done is not None:
+            return done
         warps = 8  # the same tile in the pointer-loaded swap loop (kw's SWAP is set)
     ws, counters = device_scratch(x.device)
     _w8a16[grid](

@@ -14,17 +14,24 @@ y is stored whole; K is not split (Triton warp-specializes no loop whose epilogu
 counters: tuning.illegal refuses tma configs with splits).
 
 The copies' descriptors are made in the kernel (in global scratch memory that
-`_descriptor_scratch` hands Triton); they need 16-byte aligned bases and rows (K % 16 == 0) and
+`descriptor_scratch` hands Triton); they need 16-byte aligned bases and rows (K % 16 == 0) and
 fill rows past M or N and columns past K with zeros.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import triton
 import triton.language as tl
 
 from .w8a16_convert import _to_compute
+
+log = logging.getLogger("mpinfer")
+# tma families (bits, BLOCK_M, BLOCK_N, BLOCK_K, MAGIC, stages) this process's Triton could not
+# build: their launches run the same tile in the pointer-loaded swap loop
+TMA_UNBUILT: dict[tuple, str] = {}
 
 
 @triton.jit
@@ -72,7 +79,7 @@ def w8a16_tma_matmul(x, q, scale, bias, gelu, residual, y, kw, stages, grid) -> 
     if x.data_ptr() % 16 or x.stride(0) % 8:  # copies need 16-byte aligned bases and rows
         x = x.clone()
     assert q.data_ptr() % 16 == 0 and K % 16 == 0, "tma: the weight's rows are not 16-byte aligned"
-    _descriptor_scratch(x.device)
+    descriptor_scratch(x.device)
     _w8a16_tma[grid](
         x, q, scale, bias if bias is not None else scale,
         residual if residual is not None else y, y,
@@ -84,10 +91,33 @@ def w8a16_tma_matmul(x, q, scale, bias, gelu, residual, y, kw, stages, grid) -> 
     return y
 
 
+def try_tma(launch, x: torch.Tensor, kw: dict, stages: int, bits: int, config: str | None):
+    """launch() (a `tma` config's kernel) -> its output; None where this Triton cannot build the
+    family (recorded in TMA_UNBUILT with a warning, once): the caller then runs the tile in its
+    pointer-loaded swap loop. Out of memory, and any failure inside a CUDA graph capture (the
+    launch ran eagerly first), are raised."""
+    family = (bits, kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["MAGIC"], stages)
+    if family in TMA_UNBUILT:
+        return None
+    try:
+        return launch()
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, AttributeError, triton.CompilationError) as e:
+        # a Triton that cannot build it (the partitioner is recent)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise
+        TMA_UNBUILT[family] = f"{type(e).__name__}: {str(e)[:300]}"
+        log.warning("tma config %s does not build on Triton %s (%s): the pointer-loaded swap "
+                    "loop of its tile runs instead", config or "from the table",
+                    triton.__version__, TMA_UNBUILT[family])  # fmt: skip
+        return None
+
+
 _allocators: dict = {}  # device -> the allocator Triton gets for its launches
 
 
-def _descriptor_scratch(device: torch.device) -> None:
+def descriptor_scratch(device: torch.device) -> None:
     """Give Triton the global memory in-kernel descriptors are written to (128 bytes each, two a
     program): a buffer a device, made at the first launch and grown by a new one (the old ones
     kept: a captured CUDA graph holds their pointers) when a launch needs more; never during a
