@@ -18,6 +18,7 @@ from mpinfer.model.kernels import (  # noqa: E402
     dequant,
     tuning,
     w4a16,
+    w4a16_tma,
     w8a16,
     w8a16_tma,
 )
@@ -26,7 +27,8 @@ from mpinfer.model.quant import dequantize_int4, quantize_int4, quantize_rows  #
 # The interpreter has no CUDA device: one CPU scratch for both kernels.
 SCRATCH = (torch.zeros(tuning.WORKSPACE_BYTES // 4),
            torch.zeros(tuning.COUNTERS, dtype=torch.int32))  # fmt: skip
-w8a16.device_scratch = w4a16.device_scratch = lambda device: SCRATCH
+for module in (w8a16, w4a16, w8a16_tma, w4a16_tma):
+    module.device_scratch = lambda device: SCRATCH
 attention.sm_count = lambda index: 4  # the decode attention sizes its splits by the GPU's SMs
 
 
@@ -61,7 +63,9 @@ def main() -> int:
                    (130, "swap n64 k64 split2 pf0 magic0 w4 s3 m64"),
                    (130, "swap n64 k64 split1 pf0 magic6 w4 s3 m64"),
                    (130, "tma n128 k128 split1 pf0 magic6 w4 s3 m128"),  # K % 128: zero-filled
-                   (200, "tma n64 k64 split1 pf0 magic0 w4 s4 m64")]:  # fmt: skip
+                   (200, "tma n64 k64 split1 pf0 magic0 w4 s4 m64"),
+                   (130, "tma n128 k128 split4 pf0 magic6 w4 s3 m128"),  # an empty last split
+                   (200, "tma n64 k64 split3 pf0 magic0 w4 s4 m64")]:  # fmt: skip
         x = torch.randn(M, K, generator=g).to(dt)
         res = torch.randn(M, N, generator=g).to(dt)
         y = w8a16.w8a16_matmul(x, q, s, b, gelu=True, residual=res, config=cfg)
@@ -119,7 +123,9 @@ def main() -> int:
         p, s4, o4 = quantize_int4(torch.randn(104, K, generator=g), 128, symmetric=sym)
         w, b4 = dequantize_int4(p, s4, o4), torch.randn(104, generator=g).to(dt)
         for M, cfg in [(130, "tma n64 k128 split1 pf0 magic1 w4 s3 m128"),
-                       (200, "tma n64 k128 split1 pf0 magic0 w4 s4 m64")]:  # fmt: skip
+                       (200, "tma n64 k128 split1 pf0 magic0 w4 s4 m64"),
+                       (130, "tma n64 k128 split4 pf0 magic1 w4 s3 m128"),  # an empty last split
+                       (200, "tma n64 k128 split2 pf0 magic0 w4 s4 m64")]:  # fmt: skip
             x = torch.randn(M, K, generator=g).to(dt)
             res = torch.randn(M, 104, generator=g).to(dt)
             y = w4a16.w4a16_matmul(x, p, s4, o4, b4, gelu=True, residual=res, config=cfg)

@@ -78,13 +78,15 @@ def test_the_tma_loop_compiles_warp_specialized_for_hopper():
     pointer-loaded swap loop of the same tile spends (Triton 3.9: 135 against 197; 3.6: 133
     against 197). The same kernel with its weight's descriptor made by the launcher was not
     partitioned consistently (round 13), so a regression there shows as no warp specialization
-    or a failed compile."""
+    or a failed compile. A split config stores its partial sums for a second launch to add (the
+    split-K counters' epilogue stopped the partitioning, round 13), and stays warp-specialized."""
     from mpinfer.tools.diag.kernel_sass import loop_report
 
     swap = loop_report("swap n128 k64 split1 pf0 magic6 w8 s3 m128")
     for cfg in (
         "tma n128 k64 split1 pf0 magic6 w4 s3 m128",
         "tma n128 k64 split1 pf0 magic6 w4 s3 m256",
+        "tma n128 k64 split3 pf0 magic6 w4 s3 m128",  # partial sums stored, no counters
     ):
         tma = loop_report(cfg)
         assert tma["warp_specialized"] and not swap["warp_specialized"], (tma, swap)
@@ -104,6 +106,7 @@ def test_the_int4_tma_loop_compiles_warp_specialized_for_hopper():
     for cfg in (
         "tma n64 k128 split1 pf0 magic1 w4 s3 m128",
         "tma n64 k128 split1 pf0 magic0 w4 s4 m64",
+        "tma n64 k128 split3 pf0 magic1 w4 s3 m128",
     ):
         assert tuning.illegal(cfg, 256, 4096, 4096, "float16", bits=4, group=128) is None
         r = loop_report(cfg, bits=4, rows=256)

@@ -63,7 +63,10 @@ def test_every_sweep_config_name_round_trips():
     for bad in (dict(rows=32), dict(K=4104), dict(bits=4, group=128)):
         args = dict(rows=200, N=4096, K=4096, dtype="float16") | bad
         assert tuning.illegal(tma[0], **args), bad
-    assert tuning.illegal(tma[0].replace("split1", "split2"), 200, 4096, 4096, "float16")
+    # a split: legal while the partials fit the workspace and each split has a K tile
+    assert not tuning.illegal(tma[0].replace("split1", "split2"), 200, 4096, 4096, "float16")
+    assert tuning.illegal(tma[0].replace("split1", "split4"), 200, 16384, 4096, "float16")
+    assert tuning.illegal(tma[0].replace("split1", "split4"), 200, 4096, 128, "float16")
     assert tuning.illegal(tma[0].replace(" w4 ", " w8 "), 200, 4096, 4096, "float16")
     # int4's: 64 weight rows, at most 128 of x, magic0 or magic1, rows of scales of 16 bytes
     tma4 = [n for n in tuning.candidates(256, "float16", bits=4) if n.startswith("tma")]

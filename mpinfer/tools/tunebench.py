@@ -157,12 +157,13 @@ def tune(shapes: dict, keys: list, l2_bytes: int, table_path: str, *, bits: int 
 
 
 def _variant(shape, K, epi, M, dt, config) -> tuple:
-    """What a compiled kernel depends on: everything but the split (a runtime argument); N and
-    K only through K % BLOCK_K (all the shapes' N and K are multiples of 16)."""
+    """What a compiled kernel depends on: everything but the split (a runtime argument; a
+    `tma` config compiles apart with and without one); N and K only through K % BLOCK_K (all
+    the shapes' N and K are multiples of 16)."""
     kw, w, st = tuning.parse(config)
     family = (kw["USE_DOT"], kw["SWAP"], kw["TMA"], kw["BLOCK_N"], kw["BLOCK_K"], kw["PREFETCH"],
               kw["MAGIC"], tuning.block_m(kw, M), w, st, K % kw["BLOCK_K"] == 0,
-              kw["MAXNREG"])  # fmt: skip
+              kw["MAXNREG"], kw["TMA"] and kw["split_k"] > 1)  # fmt: skip
     return (dt, epi, shape.endswith("lm_head"), family)
 
 

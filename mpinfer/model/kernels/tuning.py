@@ -252,8 +252,6 @@ def illegal(name_: str, rows: int, N: int, K: int, dtype: str, *, bits: int = 8,
             return f"the tma loop is for tiles of rows (more than {SINGLE_TILE} rows, a BLOCK_M)"
         if w != 4:
             return "the tma loop runs 4 warps a partition (Triton warp-specializes no other)"
-        if split != 1:
-            return "the tma loop does not split K (its epilogue is not the split-K one)"
         if K % 16:
             return "the tma loop's copies need rows of a multiple of 16 bytes"
     if kw["MAGIC"] not in magics(dtype, bits):

@@ -21,20 +21,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .launch import device_scratch
 from .w4a16_convert import _nibbles
-from .w8a16_tma import descriptor_scratch
+from .w8a16_tma import descriptor_scratch, split_bounds, split_finish
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_k"])
 def _w4a16_tma(
-    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, r_ptr, y_ptr,
-    M, N, K, stride_xm, stride_ym, stride_rm,
+    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, r_ptr, y_ptr, ws_ptr,
+    M, N, K, stride_xm, stride_ym, stride_rm, split_k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, MAGIC: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):  # fmt: skip
     HALF: tl.constexpr = BLOCK_K // 2
     pid_m = tl.program_id(0)  # row tiles fastest: they share each weight tile in L2
     pid_n = tl.program_id(1)
+    k_lo, k_hi = split_bounds(K, BLOCK_K, split_k)  # whole groups
     cdt = x_ptr.dtype.element_ty
     groups = K // BLOCK_K
     # made in the kernel, as int8's are (w8a16_tma.py says why)
@@ -44,7 +47,7 @@ def _w4a16_tma(
     s_desc = tl.make_tensor_descriptor(s_ptr, [groups, N], [N, 1], [1, BLOCK_N])
     z_desc = tl.make_tensor_descriptor(z_ptr, [groups, N], [N, 1], [1, BLOCK_N])
     acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for g in tl.range(0, groups, num_stages=STAGES, warp_specialize=True):
+    for g in tl.range(k_lo // BLOCK_K, k_hi // BLOCK_K, num_stages=STAGES, warp_specialize=True):
         b = w_desc.load([pid_n * BLOCK_N, g * HALF])  # (BLOCK_N, HALF) packed bytes
         s = tl.reshape(s_desc.load([g, pid_n * BLOCK_N]), (BLOCK_N, 1))
         z = tl.reshape(z_desc.load([g, pid_n * BLOCK_N]), (BLOCK_N, 1))
@@ -59,6 +62,10 @@ def _w4a16_tma(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
     mask = (offs_m[:, None] < M) & n_ok[None, :]
+    if SPLIT:  # this split's partial sums; `split_finish` adds them and applies the epilogue
+        tl.store(ws_ptr + tl.program_id(2) * M * N + offs_m[:, None] * N + offs_n[None, :], y,
+                 mask=mask)  # fmt: skip
+        return
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if ACT:  # tanh GeLU as launch.finish has it
@@ -79,12 +86,16 @@ def w4a16_tma_matmul(x, packed, scale, offset, bias, gelu, residual, y, kw, stag
     assert scale.data_ptr() % 16 == 0 and offset.data_ptr() % 16 == 0 and N % 8 == 0, \
         "tma: the scales' rows are not 16-byte aligned"  # fmt: skip
     descriptor_scratch(x.device)
+    ws = device_scratch(x.device)[0]
+    split = kw["split_k"]
     _w4a16_tma[grid](
         x, packed, scale, offset, bias if bias is not None else y,
-        residual if residual is not None else y, y,
+        residual if residual is not None else y, y, ws,
         M, N, K, x.stride(0), y.stride(0), residual.stride(0) if residual is not None else 0,
-        BLOCK_M=kw["BLOCK_M"], BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"], STAGES=stages,
-        HAS_BIAS=bias is not None, ACT=gelu, HAS_RES=residual is not None, MAGIC=kw["MAGIC"],
-        num_warps=4, num_stages=stages,
+        split, BLOCK_M=kw["BLOCK_M"], BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"],
+        STAGES=stages, HAS_BIAS=bias is not None, ACT=gelu, HAS_RES=residual is not None,
+        MAGIC=kw["MAGIC"], SPLIT=split > 1, num_warps=4, num_stages=stages,
     )  # fmt: skip
+    if split > 1:  # int4's scales were applied in the loop
+        split_finish(ws, split, scale, bias, gelu, residual, y, has_scale=False)
     return y

@@ -10,8 +10,11 @@ convert their half in registers and run the tensor cores. cuBLAS's Hopper kernel
 stall the same warps that issue the products, and Triton warp-specializes a loop only when its
 loads are tensor descriptors and it runs four warps (with eight it compiles the plain loop). The
 epilogue (scale, bias, GeLU, residual) is the other loops' on the transposed tile, so each row of
-y is stored whole; K is not split (Triton warp-specializes no loop whose epilogue has the split-K
-counters: tuning.illegal refuses tma configs with splits).
+y is stored whole. Split K (`splitS`) takes a second launch: Triton warp-specializes no loop
+whose epilogue has launch.py's split-K counters, so each split stores its fp32 partial tile to
+the workspace and `split_finish` adds the splits in order (deterministic) and applies the
+epilogue, elementwise. At 128-256 rows a long K and a short N give too few tiles to fill the
+GPU without it (round 14: the pointer-loaded loops, which split, won those launches).
 
 The copies' descriptors are made in the kernel (in global scratch memory that
 `descriptor_scratch` hands Triton); they need 16-byte aligned bases and rows (K % 16 == 0) and
@@ -26,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import device_scratch, finish
 from .w8a16_convert import _to_compute
 
 log = logging.getLogger("mpinfer")
@@ -34,15 +38,17 @@ log = logging.getLogger("mpinfer")
 TMA_UNBUILT: dict[tuple, str] = {}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_k"])
 def _w8a16_tma(
-    x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr,
-    M, N, K, stride_xm, stride_ym, stride_rm,
+    x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr,
+    M, N, K, stride_xm, stride_ym, stride_rm, split_k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, MAGIC: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)  # row tiles fastest: they share each weight tile in L2
     pid_n = tl.program_id(1)
+    k_lo, k_hi = split_bounds(K, BLOCK_K, split_k)
     cdt = x_ptr.dtype.element_ty
     # made in the kernel, not by the launcher: Triton's partitioner cuts the weight tile's copy
     # into the consumers' halves and gives them descriptors of that block (a launcher's
@@ -51,7 +57,7 @@ def _w8a16_tma(
     x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, [N, K], [K, 1], [BLOCK_N, BLOCK_K])
     acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES, warp_specialize=True):
+    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES, warp_specialize=True):
         w = w_desc.load([pid_n * BLOCK_N, k])  # (BLOCK_N, BLOCK_K) int8
         x = x_desc.load([pid_m * BLOCK_M, k])  # (BLOCK_M, BLOCK_K)
         acc_t = tl.dot(_to_compute(w, cdt, MAGIC), tl.trans(x), acc_t)  # (BLOCK_N, BLOCK_M)
@@ -61,6 +67,10 @@ def _w8a16_tma(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
     mask = (offs_m[:, None] < M) & n_ok[None, :]
+    if SPLIT:  # this split's partial sums; `split_finish` adds them and applies the epilogue
+        tl.store(ws_ptr + tl.program_id(2) * M * N + offs_m[:, None] * N + offs_n[None, :], y,
+                 mask=mask)  # fmt: skip
+        return
     y = y * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -80,15 +90,56 @@ def w8a16_tma_matmul(x, q, scale, bias, gelu, residual, y, kw, stages, grid) -> 
         x = x.clone()
     assert q.data_ptr() % 16 == 0 and K % 16 == 0, "tma: the weight's rows are not 16-byte aligned"
     descriptor_scratch(x.device)
+    ws = device_scratch(x.device)[0]
+    split = kw["split_k"]
     _w8a16_tma[grid](
         x, q, scale, bias if bias is not None else scale,
-        residual if residual is not None else y, y,
+        residual if residual is not None else y, y, ws,
         M, N, K, x.stride(0), y.stride(0), residual.stride(0) if residual is not None else 0,
-        BLOCK_M=kw["BLOCK_M"], BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"], STAGES=stages,
-        HAS_BIAS=bias is not None, ACT=gelu, HAS_RES=residual is not None, MAGIC=kw["MAGIC"],
-        num_warps=4, num_stages=stages,
+        split, BLOCK_M=kw["BLOCK_M"], BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"],
+        STAGES=stages, HAS_BIAS=bias is not None, ACT=gelu, HAS_RES=residual is not None,
+        MAGIC=kw["MAGIC"], SPLIT=split > 1, num_warps=4, num_stages=stages,
     )  # fmt: skip
+    if split > 1:
+        split_finish(ws, split, scale, bias, gelu, residual, y)
     return y
+
+
+@triton.jit
+def split_bounds(K, BLOCK_K: tl.constexpr, split_k):
+    """[k_lo, k_hi) of this program's split of K: whole K tiles, as evenly as they go (the
+    last split may be shorter, or empty: its partial sums are then zeros)."""
+    per = tl.cdiv(tl.cdiv(K, BLOCK_K), split_k) * BLOCK_K
+    k_lo = tl.program_id(2) * per
+    return k_lo, tl.minimum(K, k_lo + per)
+
+
+@triton.jit
+def _split_finish(ws_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M, N, split_k, stride_ym, stride_rm,
+                  BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  ACT: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M * N
+    m = offs // N
+    n = offs % N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(split_k):  # in split order: the same sum every time
+        acc += tl.load(ws_ptr + i * M * N + offs, mask=ok, other=0.0)
+    finish(acc, ok, n, m * stride_ym + n, m * stride_rm + n, s_ptr, b_ptr, r_ptr, y_ptr,
+           HAS_SCALE, HAS_BIAS, ACT, HAS_RES)  # fmt: skip
+
+
+def split_finish(ws, split, scale, bias, gelu, residual, y, *, has_scale: bool = True) -> None:
+    """The second launch of a split `tma` config: the splits' partial sums (ws, split x M x N
+    fp32) added in order, then the epilogue (int8's per-row scale where has_scale), into y."""
+    M, N = y.shape
+    BLOCK = 1024
+    _split_finish[(triton.cdiv(M * N, BLOCK),)](
+        ws, scale, bias if bias is not None else y, residual if residual is not None else y, y,
+        M, N, split, y.stride(0), residual.stride(0) if residual is not None else 0,
+        BLOCK=BLOCK, HAS_SCALE=has_scale, HAS_BIAS=bias is not None, ACT=gelu,
+        HAS_RES=residual is not None, num_warps=4,
+    )  # fmt: skip
 
 
 def try_tma(launch, x: torch.Tensor, kw: dict, stages: int, bits: int, config: str | None):
