@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import pdl, pdl_release
 from .tuning import CHUNK_TILE, attention_splits, sm_count
 from .w8a16_convert import _to_compute
 
@@ -150,9 +151,10 @@ def _decode_attention_kernel(
 
 
 @triton.jit
-def _combine_kernel(ws_ptr, out_ptr, stride_out, n_heads, n_splits,
-                    HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr):  # fmt: skip
+def _combine_kernel(ws_ptr, out_ptr, stride_out, n_heads, n_splits, HEAD_DIM: tl.constexpr,
+                    SPLITS_P2: tl.constexpr, RELEASE: tl.constexpr):  # fmt: skip
     """Program (b, h): merge the splits' partial softmax states into the output."""
+    pdl_release(RELEASE)  # the dense matmul after it may launch (launch.py's PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS_P2)
@@ -209,7 +211,8 @@ def decode_attention(
     )  # fmt: skip
     _combine_kernel[(B, heads)](
         ws, out, out.stride(0), heads, n_splits,
-        HEAD_DIM=head_dim, SPLITS_P2=triton.next_power_of_2(n_splits), num_warps=2,
+        HEAD_DIM=head_dim, SPLITS_P2=triton.next_power_of_2(n_splits), RELEASE=pdl(qkv.device),
+        num_warps=2,
     )  # fmt: skip
     return out
 
@@ -256,7 +259,7 @@ def _chunk_attention_kernel(
     stride_qkv, stride_out, stride_cs, stride_ch, stride_cl, stride_ss, stride_sh, stride_t,
     scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr, QUANT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr, QUANT: tl.constexpr, RELEASE: tl.constexpr,
 ):  # fmt: skip
     """Program (i, h): tile i = (cache row, first token, count, first position) of the tile
     table (4, n_tiles), rows stride_tile apart; queries attend causally to keys [0, their
@@ -352,6 +355,6 @@ def chunk_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         qkv.stride(0), out.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *_scale_strides(scales), tables.stride(0), head_dim**-0.5,
         HEAD_DIM=head_dim, BLOCK_M=CHUNK_M, BLOCK_N=CHUNK_N, BLOCK_SIZE=block_size,
-        IEEE=qkv.dtype == torch.float32, QUANT=scales is not None, num_warps=CHUNK_WARPS,
-        num_stages=CHUNK_STAGES,
+        IEEE=qkv.dtype == torch.float32, QUANT=scales is not None, RELEASE=pdl(qkv.device),
+        num_warps=CHUNK_WARPS, num_stages=CHUNK_STAGES,
     )  # fmt: skip

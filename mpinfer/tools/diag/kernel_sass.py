@@ -38,11 +38,18 @@ _ALIGNED = ("_ptr", "N", "K", "stride")  # what a launch's values make multiples
 
 
 def compile_config(
-    config: str, *, bits: int = 8, arch: int = 90, group: int = 128, rows: int = tuning.SINGLE_TILE
+    config: str,
+    *,
+    bits: int = 8,
+    arch: int = 90,
+    group: int = 128,
+    rows: int = tuning.SINGLE_TILE,
+    pdl: int = 0,
 ):
     """The compiled kernel (Triton's CompiledKernel) of `config` for GPUs of `arch`, fp16
     activations, a bias, no GeLU or residual, whole K tiles, for a launch of `rows` (a config
-    without BLOCK_M takes the rows' bucket's tile)."""
+    without BLOCK_M takes the rows' bucket's tile); `pdl`: the lines a row the programmatic-
+    dependent-launch prologue prefetches (launch.py; 0: none)."""
     from ...model.kernels import w4a16, w4a16_tma, w8a16, w8a16_tma
 
     kw, warps, stages = tuning.parse(config)
@@ -54,6 +61,7 @@ def compile_config(
     regs = kw.pop("MAXNREG")  # a launch option ("r80"), not a meta-parameter
     fixed = dict(HAS_BIAS=True, ACT=False, HAS_RES=False, EVEN_K=True, STAGES=stages,
                  SPLIT=kw["split_k"] > 1,  # the tma loops compile apart with a split
+                 PDL=pdl,
                  **{k: v for k, v in kw.items() if k != "split_k"})  # fmt: skip
     fixed = {k: v for k, v in fixed.items() if k in names}
     ptrs = _POINTERS[bits]
@@ -70,19 +78,31 @@ def compile_config(
                                        **({"maxnreg": regs} if regs else {})))  # fmt: skip
 
 
+def _disassemble(compiled) -> tuple[str, str]:
+    """(resource usage, SASS) of a compiled kernel, by the cuobjdump of Triton's wheel."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as d:
+        cubin = Path(d) / "k.cubin"  # assembled by Triton's own ptxas
+        cubin.write_bytes(compiled.asm["cubin"])
+        return tuple(
+            subprocess.run([cuobjdump, flag, cubin], capture_output=True, text=True, check=True)
+            .stdout for flag in ("-res-usage", "-sass")
+        )  # fmt: skip
+
+
+def opcodes(config: str, **kw) -> list[str]:
+    """The compiled kernel's SASS opcodes in program order (compile_config's arguments)."""
+    sass = _disassemble(compile_config(config, **kw))[1]
+    return [m[1] for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)",
+                                      sass)]  # fmt: skip
+
+
 def loop_report(
     config: str, *, bits: int = 8, arch: int = 90, rows: int = tuning.SINGLE_TILE
 ) -> dict:
     """Registers, spill bytes, shared memory, and the opcodes of the tensor-core loop."""
     compiled = compile_config(config, bits=bits, arch=arch, rows=rows)
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.TemporaryDirectory() as d:
-        cubin = Path(d) / "k.cubin"  # assembled by Triton's own ptxas
-        cubin.write_bytes(compiled.asm["cubin"])
-        usage, sass = (
-            subprocess.run([cuobjdump, flag, cubin], capture_output=True, text=True, check=True)
-            .stdout for flag in ("-res-usage", "-sass")
-        )  # fmt: skip
+    usage, sass = _disassemble(compiled)
     found = [(int(m[1], 16), m[2], line) for line in sass.splitlines()
              if (m := re.search(r"/\*([0-9a-f]{4,})\*/\s+(\S+(?: \S+)?)", line))]  # fmt: skip
     loops = [[op for a, op, _ in found if int(m[1], 16) <= a <= addr] for addr, _, line in found
