@@ -33,8 +33,8 @@ from .launch import device_scratch, finish
 from .w8a16_convert import _to_compute
 
 log = logging.getLogger("mpinfer")
-# tma families (bits, BLOCK_M, BLOCK_N, BLOCK_K, MAGIC, stages) this process's Triton could not
-# build: their launches run the same tile in the pointer-loaded swap loop
+# tma kernels (bits, BLOCK_M, BLOCK_N, BLOCK_K, MAGIC, stages, split) this process's Triton could
+# not build: their launches run the same tile in the pointer-loaded swap loop
 TMA_UNBUILT: dict[tuple, str] = {}
 
 
@@ -147,7 +147,8 @@ def try_tma(launch, x: torch.Tensor, kw: dict, stages: int, bits: int, config: s
     family (recorded in TMA_UNBUILT with a warning, once): the caller then runs the tile in its
     pointer-loaded swap loop. Out of memory, and any failure inside a CUDA graph capture (the
     launch ran eagerly first), are raised."""
-    family = (bits, kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["MAGIC"], stages)
+    family = (bits, kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["MAGIC"], stages,
+              kw["split_k"] > 1)  # fmt: skip
     if family in TMA_UNBUILT:
         return None
     try:
