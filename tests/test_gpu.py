@@ -201,19 +201,26 @@ class _ByteTok:
         return " ".join(map(str, ids))
 
 
+def _uneven_batch(shape, seed: int):
+    """(prompts, params, budgets): 8 random prompts of 1-200 tokens with budgets of 7-40
+    greedy tokens, so rows leave a batch at different steps."""
+    from mpinfer.engine.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    lens, budgets = [3, 17, 64, 5, 200, 33, 1, 90], [40, 25, 33, 12, 40, 7, 40, 19]
+    prompts = [torch.randint(4, shape.vocab_size, (n,), generator=g).tolist() for n in lens]
+    return prompts, [SamplingParams(max_new_tokens=b) for b in budgets], budgets
+
+
 def test_graph_decode_equals_eager_decode_token_for_token():
     """The engine on the bloom-7b1 shape (int8, fp16), 8 prompts of different lengths and
     budgets in one batch, so rows leave and the step replays smaller buckets with padding rows:
     the captured graphs give exactly the eager path's greedy tokens."""
     from mpinfer.engine.runner import step_buckets
-    from mpinfer.engine.sampling import SamplingParams
     from mpinfer.tools.randmodel import build_random, make_runner
 
     model, shape, tp = build_random("bloom-7b1", "int8")
-    g = torch.Generator().manual_seed(0)
-    lens, budgets = [3, 17, 64, 5, 200, 33, 1, 90], [40, 25, 33, 12, 40, 7, 40, 19]
-    prompts = [torch.randint(4, shape.vocab_size, (n,), generator=g).tolist() for n in lens]
-    params = [SamplingParams(max_new_tokens=b) for b in budgets]
+    prompts, params, budgets = _uneven_batch(shape, 0)
     out = {}
     for graphs in (True, False):
         runner = make_runner(model, shape, tp, slots=8, max_seq=256, cuda_graphs=graphs)
@@ -231,17 +238,13 @@ def test_pdl_launches_give_the_tokens_of_plain_ones(quant, monkeypatch):
     while the kernel before them finishes and wait for it before reading. The engine on the
     bloom-7b1 shape with PDL in its captured graphs gives exactly the greedy tokens of plain
     eager launches; a read before the wait would show as other tokens (or a failed capture)."""
-    from mpinfer.engine.sampling import SamplingParams
     from mpinfer.model.kernels import launch
     from mpinfer.tools.randmodel import build_random, make_runner
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9 (Hopper)")
     model, shape, tp = build_random("bloom-7b1", quant)
-    g = torch.Generator().manual_seed(1)
-    lens, budgets = [3, 17, 64, 5, 200, 33, 1, 90], [40, 25, 33, 12, 40, 7, 40, 19]
-    prompts = [torch.randint(4, shape.vocab_size, (n,), generator=g).tolist() for n in lens]
-    params = [SamplingParams(max_new_tokens=b) for b in budgets]
+    prompts, params, _ = _uneven_batch(shape, 1)
     out = {}
     for on in (True, False):
         monkeypatch.setattr(launch, "PDL", on)

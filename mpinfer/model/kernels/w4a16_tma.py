@@ -21,9 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .launch import device_scratch
 from .w4a16_convert import _nibbles
-from .w8a16_tma import descriptor_scratch, split_bounds, split_finish
+from .w8a16_tma import launch_tma, split_bounds, tma_epilogue
 
 
 @triton.jit(do_not_specialize=["split_k"])
@@ -56,46 +55,16 @@ def _w4a16_tma(
         lo, hi = _nibbles(b, s, z, cdt, MAGIC)  # (BLOCK_N, HALF) each
         acc_t = tl.dot(lo, tl.trans(x_lo), acc_t)
         acc_t = tl.dot(hi, tl.trans(x_hi), acc_t)  # (BLOCK_N, BLOCK_M)
-    # the epilogue on y (BLOCK_M, BLOCK_N), rows stored whole (the scales were in the loop)
-    y = tl.trans(acc_t)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n_ok = offs_n < N
-    mask = (offs_m[:, None] < M) & n_ok[None, :]
-    if SPLIT:  # this split's partial sums; `split_finish` adds them and applies the epilogue
-        tl.store(ws_ptr + tl.program_id(2) * M * N + offs_m[:, None] * N + offs_n[None, :], y,
-                 mask=mask)  # fmt: skip
-        return
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if ACT:  # tanh GeLU as launch.finish has it
-        y = y * tl.sigmoid(1.5957691216057308 * (y + 0.044715 * y * y * y))
-    if HAS_RES:
-        y += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask,
-                     other=0.0).to(tl.float32)  # fmt: skip
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(cdt), mask=mask)
+    # the scales and offsets were applied in the loop: no scale in the epilogue
+    tma_epilogue(acc_t, M, N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, stride_ym, stride_rm, BLOCK_M,
+                 BLOCK_N, False, HAS_BIAS, ACT, HAS_RES, SPLIT)  # fmt: skip
 
 
 def w4a16_tma_matmul(x, packed, scale, offset, bias, gelu, residual, y, kw, stages, grid):
     """Launch an int4 `tma` config (w4a16_matmul's arguments, its launch plan; 4 warps)."""
-    M, K = x.shape
-    N = packed.shape[0]
-    if x.data_ptr() % 16 or x.stride(0) % 8:  # copies need 16-byte aligned bases and rows
-        x = x.clone()
-    assert packed.data_ptr() % 16 == 0 and K % 32 == 0, "tma: packed rows not 16-byte aligned"
-    assert scale.data_ptr() % 16 == 0 and offset.data_ptr() % 16 == 0 and N % 8 == 0, \
+    assert packed.data_ptr() % 16 == 0 and x.shape[1] % 32 == 0, "tma: packed rows not aligned"
+    assert scale.data_ptr() % 16 == 0 and offset.data_ptr() % 16 == 0 and y.shape[1] % 8 == 0, \
         "tma: the scales' rows are not 16-byte aligned"  # fmt: skip
-    descriptor_scratch(x.device)
-    ws = device_scratch(x.device)[0]
-    split = kw["split_k"]
-    _w4a16_tma[grid](
-        x, packed, scale, offset, bias if bias is not None else y,
-        residual if residual is not None else y, y, ws,
-        M, N, K, x.stride(0), y.stride(0), residual.stride(0) if residual is not None else 0,
-        split, BLOCK_M=kw["BLOCK_M"], BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"],
-        STAGES=stages, HAS_BIAS=bias is not None, ACT=gelu, HAS_RES=residual is not None,
-        MAGIC=kw["MAGIC"], SPLIT=split > 1, num_warps=4, num_stages=stages,
-    )  # fmt: skip
-    if split > 1:  # int4's scales were applied in the loop
-        split_finish(ws, split, scale, bias, gelu, residual, y, has_scale=False)
-    return y
+    # int4's scales and offsets were applied in the loop: none in a split's second launch
+    return launch_tma(_w4a16_tma, x, (packed, scale, offset), scale, bias, gelu, residual, y, kw,
+                      stages, grid, has_scale=False)  # fmt: skip

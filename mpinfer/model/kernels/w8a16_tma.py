@@ -61,47 +61,66 @@ def _w8a16_tma(
         w = w_desc.load([pid_n * BLOCK_N, k])  # (BLOCK_N, BLOCK_K) int8
         x = x_desc.load([pid_m * BLOCK_M, k])  # (BLOCK_M, BLOCK_K)
         acc_t = tl.dot(_to_compute(w, cdt, MAGIC), tl.trans(x), acc_t)  # (BLOCK_N, BLOCK_M)
-    # the epilogue on y (BLOCK_M, BLOCK_N): the scale and bias as vectors, rows stored whole
+    tma_epilogue(acc_t, M, N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, stride_ym, stride_rm, BLOCK_M,
+                 BLOCK_N, True, HAS_BIAS, ACT, HAS_RES, SPLIT)  # fmt: skip
+
+
+@triton.jit
+def tma_epilogue(acc_t, M, N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, stride_ym, stride_rm,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
+                 SPLIT: tl.constexpr):  # fmt: skip
+    """A `tma` program's output tile from its transposed sums acc_t (BLOCK_N, BLOCK_M): the
+    scale (int8's) and bias as vectors, rows of y stored whole; SPLIT: the split's partial sums
+    to the workspace instead (`split_finish` adds them and applies this)."""
     y = tl.trans(acc_t)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
     mask = (offs_m[:, None] < M) & n_ok[None, :]
-    if SPLIT:  # this split's partial sums; `split_finish` adds them and applies the epilogue
+    if SPLIT:
         tl.store(ws_ptr + tl.program_id(2) * M * N + offs_m[:, None] * N + offs_n[None, :], y,
                  mask=mask)  # fmt: skip
-        return
-    y = y * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if ACT:  # tanh GeLU as launch.finish has it
-        y = y * tl.sigmoid(1.5957691216057308 * (y + 0.044715 * y * y * y))
-    if HAS_RES:
-        y += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask,
-                     other=0.0).to(tl.float32)  # fmt: skip
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(cdt), mask=mask)
+    else:
+        if HAS_SCALE:
+            y = y * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if ACT:  # tanh GeLU as launch.finish has it
+            y = y * tl.sigmoid(1.5957691216057308 * (y + 0.044715 * y * y * y))
+        if HAS_RES:
+            y += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask,
+                         other=0.0).to(tl.float32)  # fmt: skip
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+                 y.to(y_ptr.dtype.element_ty), mask=mask)  # fmt: skip
 
 
 def w8a16_tma_matmul(x, q, scale, bias, gelu, residual, y, kw, stages, grid) -> torch.Tensor:
     """Launch a `tma` config (w8a16_matmul's arguments, its launch plan; 4 warps)."""
+    assert q.data_ptr() % 16 == 0 and x.shape[1] % 16 == 0, "tma: weight rows not 16-byte aligned"
+    return launch_tma(_w8a16_tma, x, (q, scale), scale, bias, gelu, residual, y, kw, stages, grid)
+
+
+def launch_tma(kernel, x, weights, scale, bias, gelu, residual, y, kw, stages, grid, *,
+               has_scale: bool = True) -> torch.Tensor:  # fmt: skip
+    """Launch a `tma` kernel (int8's or int4's; `weights`: its operands between x and the bias)
+    and, for a split config, `split_finish` (has_scale: int8's per-row scale, applied there)."""
     M, K = x.shape
-    N = q.shape[0]
+    N = y.shape[1]
     if x.data_ptr() % 16 or x.stride(0) % 8:  # copies need 16-byte aligned bases and rows
         x = x.clone()
-    assert q.data_ptr() % 16 == 0 and K % 16 == 0, "tma: the weight's rows are not 16-byte aligned"
     descriptor_scratch(x.device)
     ws = device_scratch(x.device)[0]
     split = kw["split_k"]
-    _w8a16_tma[grid](
-        x, q, scale, bias if bias is not None else scale,
-        residual if residual is not None else y, y, ws,
-        M, N, K, x.stride(0), y.stride(0), residual.stride(0) if residual is not None else 0,
+    kernel[grid](
+        x, *weights, bias if bias is not None else y, residual if residual is not None else y, y,
+        ws, M, N, K, x.stride(0), y.stride(0), residual.stride(0) if residual is not None else 0,
         split, BLOCK_M=kw["BLOCK_M"], BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"],
         STAGES=stages, HAS_BIAS=bias is not None, ACT=gelu, HAS_RES=residual is not None,
         MAGIC=kw["MAGIC"], SPLIT=split > 1, num_warps=4, num_stages=stages,
     )  # fmt: skip
     if split > 1:
-        split_finish(ws, split, scale, bias, gelu, residual, y)
+        split_finish(ws, split, scale, bias, gelu, residual, y, has_scale=has_scale)
     return y
 
 
