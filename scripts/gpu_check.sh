@@ -83,7 +83,8 @@ stage() {  # stage NAME SECONDS CMD...: run CMD within SECONDS (or what is left)
     pack
 }
 bench() { python3 -m mpinfer.cli bench "$@"; }
-gpu_tests() { python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py "$@"; }
+gpu_tests() { python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
+    tests/test_gpu_engine.py "$@"; }
 export -f bench gpu_tests
 [ "${1:-}" = final ] && set -- budget int4 int4-176b kernels tests
 for mode in "$@"; do case "$mode" in
