@@ -54,6 +54,8 @@ launch. The conversions themselves (the PTX and its interpreter twins) are w4a16
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
@@ -340,12 +342,8 @@ def w4a16_matmul(
     kw, warps, stages, grid = launch_plan(x, N, K, config, bits=4, group=group)
     scale, offset = scale.contiguous(), offset.contiguous()
     if kw.pop("TMA"):  # the warp-specialized loop (w4a16_tma.py)
-
-        def launch():
-            return w4a16_tma_matmul(x, packed, scale, offset, bias, gelu, residual, y, kw, stages,
-                                    grid)  # fmt: skip
-
-        done = try_tma(launch, x, kw, stages, 4, config)
+        done = try_tma(partial(w4a16_tma_matmul, x, packed, scale, offset, bias, gelu, residual,
+                               y, kw, stages, grid), x, kw, stages, 4, config)  # fmt: skip
         if done is not None:
             return done
         warps = 4  # the same tile in the pointer-loaded swap loop (kw's SWAP is set)

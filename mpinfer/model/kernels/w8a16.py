@@ -28,6 +28,8 @@ the GPU's tuned table or the default rule (tuning.py):
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
@@ -172,8 +174,8 @@ def w8a16_matmul(
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     kw, warps, stages, grid = launch_plan(x, N, K, config, bits=8)
     if kw.pop("TMA"):  # the warp-specialized loop (w8a16_tma.py)
-        done = try_tma(lambda: w8a16_tma_matmul(x, q, scale, bias, gelu, residual, y, kw, stages,
-                                                grid), x, kw, stages, 8, config)  # fmt: skip
+        done = try_tma(partial(w8a16_tma_matmul, x, q, scale, bias, gelu, residual, y, kw, stages,
+                               grid), x, kw, stages, 8, config)  # fmt: skip
         if done is not None:
             return done
         warps = 8  # the same tile in the pointer-loaded swap loop (kw's SWAP is set)
