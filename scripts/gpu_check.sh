@@ -10,7 +10,8 @@
 #   tune4     the same for int4 alone
 #   kernels   the matmul table at 1-576 rows, int8 and int4 beside cuBLAS fp16
 #   candidates  other libraries' kernels beside ours (bench kernels --candidates all)
-#   kernel-tests  the kernels' GPU tests (TESTS_K: another -k filter); tests: every GPU test
+#   kernel-tests  the kernels' GPU tests (TESTS_K: another -k filter); tests: every GPU test, the
+#             engine's first (the kernels' alone outlast one call on an H100: TESTS_K splits them)
 #   serve     the served speed (mpinfer bench serve --gpu)
 #   budget    the server's memory against its budget under load, the sustained mixes with their
 #             prefix-cache hit rates, offload through the server, int4 served (bench budget)
@@ -83,9 +84,9 @@ stage() {  # stage NAME SECONDS CMD...: run CMD within SECONDS (or what is left)
     pack
 }
 bench() { python3 -m mpinfer.cli bench "$@"; }
-gpu_tests() { python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
-    tests/test_gpu_engine.py "$@"; }
-export -f bench gpu_tests
+pytest_gpu() { python3 -m pytest -q -m gpu -p no:cacheprovider "$@"; }
+gpu_tests() { pytest_gpu tests/test_gpu.py tests/test_gpu_engine.py "$@"; }
+export -f bench pytest_gpu gpu_tests
 [ "${1:-}" = final ] && set -- budget int4 int4-176b kernels tests
 for mode in "$@"; do case "$mode" in
 tune)
@@ -335,7 +336,10 @@ r8-mix)
     TAIL=30 stage budget "$(left)" bench budget --workdir /tmp/mb --budgets 24GiB \
         --seconds "${SUSTAIN:-20}" --out "$RES/budget.json" ;;
 kernel-tests) TAIL=15 stage gpu-tests-kernels "$(left)" gpu_tests -k "${TESTS_K:-linear or family}" ;;
-tests) TAIL=15 stage gpu-tests "$(left)" gpu_tests ;;
+tests)  # the engine's and server's tests first (a few minutes), then the kernels' (227 tests:
+    # more than one call's 10 minutes on an H100; TESTS_K narrows them)
+    TAIL=15 stage gpu-tests-engine "${TEST_TIME:-300}" pytest_gpu tests/test_gpu_engine.py
+    TAIL=15 stage gpu-tests-kernels "$(left)" pytest_gpu tests/test_gpu.py ${TESTS_K:+-k "$TESTS_K"} ;;
 serve)
     TAIL=40 stage serve 300 bench serve --gpu --workdir /tmp/mb --out "$RES/serve-gpu.json" ;;
 budget)
