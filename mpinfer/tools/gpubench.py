@@ -4,7 +4,7 @@ One run measures, in this order: the device-to-device copy bandwidth and the bf1
 this GPU (the ceilings), then for a random BLOOM of a given shape (weights made on the GPU, no
 checkpoint) mpinfer int8, fp16 and llm.int8, transformers fp16 and transformers + bitsandbytes
 8-bit: ms per decode step at batch 1, 8 and 32 after a context of 512, prefill time for 512
-and 2048 tokens, peak GPU memory, and each row's floor (weight bytes / copy bandwidth).
+and 2048 tokens (median of 5), peak GPU memory, and each row's floor (weight bytes / copy bandwidth).
 mpinfer's decode step is the engine's: `ModelRunner.execute` of a decode step, which replays
 the same captured graph the server replays. `--simulate-tp 8` adds one rank's shard of
 BLOOM-176B at tp 8 (collectives skipped and counted). Writes JSON and a markdown table under
@@ -79,7 +79,8 @@ def bench_mpinfer(
         runner = make_runner(model, shape, tp, slots=1, max_seq=T, cuda_graphs=False)
         tokens = tuple(torch.randint(4, shape.vocab_size, (T,)).tolist())
         step = Step(prefills=(Prefill(0, 0, tokens, sample=True),))
-        out["prefill_ms"][T] = cuda_time(lambda: runner.execute(step), iters=3, warmup=1)
+        out["prefill_ms"][T] = cuda_time(lambda: runner.execute(step), iters=5, warmup=2,
+                                           median=True)  # fmt: skip
     return out
 
 
@@ -139,7 +140,7 @@ def bench_hf(model, vocab: int, *, batches, context, prefill_lens, steps: int) -
     for T in prefill_lens:
         ids = torch.randint(4, vocab, (1, T), device="cuda")
         out["prefill_ms"][T] = cuda_time(
-            lambda: model(input_ids=ids, logits_to_keep=1), iters=3, warmup=1
+            lambda: model(input_ids=ids, logits_to_keep=1), iters=5, warmup=2, median=True
         )
     return out
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 from pathlib import Path
 
 import torch
@@ -35,10 +36,21 @@ def machine() -> dict:
     return info
 
 
-def cuda_time(fn, *, iters: int, warmup: int = 3) -> float:
-    """Mean milliseconds of fn() over iters runs, timed with CUDA events."""
+def cuda_time(fn, *, iters: int, warmup: int = 3, median: bool = False) -> float:
+    """Mean milliseconds of fn() over iters runs, timed with CUDA events; with `median`, each run
+    timed alone and the median taken (few long runs, where one outlier would move a mean)."""
     for _ in range(warmup):
         fn()
+    if median:
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
