@@ -65,7 +65,9 @@ def main() -> int:
                    (130, "tma n128 k128 split1 pf0 magic6 w4 s3 m128"),  # K % 128: zero-filled
                    (200, "tma n64 k64 split1 pf0 magic0 w4 s4 m64"),
                    (130, "tma n128 k128 split4 pf0 magic6 w4 s3 m128"),  # an empty last split
-                   (200, "tma n64 k64 split3 pf0 magic0 w4 s4 m64")]:  # fmt: skip
+                   (200, "tma n64 k64 split3 pf0 magic0 w4 s4 m64"),
+                   (20, "tma n128 k64 split1 pf0 magic6 w4 s4"),  # one tile of the bucket's 32
+                   (50, "tma n128 k128 split2 pf0 magic1 w4 s3")]:  # fmt: skip
         x = torch.randn(M, K, generator=g).to(dt)
         res = torch.randn(M, N, generator=g).to(dt)
         y = w8a16.w8a16_matmul(x, q, s, b, gelu=True, residual=res, config=cfg)

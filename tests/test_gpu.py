@@ -129,13 +129,13 @@ def test_one_row_tuning_is_never_reused_for_several_rows():
 def test_every_config_family_split_k(bits, dtype):
     """Every kernel variant a table or the default rule may pick, with 1 and with 3 K-splits
     (an uneven split, one of them shorter), on a shape with a ragged edge in N (and in K for
-    int8), at 1, 7 and 20 rows, and the tiled families at 150 rows (three row tiles of 64, two
-    of 128): it matches the reference and leaves every tile counter at zero for the next
-    launch. Tuning only ever runs the winner, so without this a broken variant could wait for
-    the one GPU it wins on. MPINFER_FAMILY_ONLY=magic8,magic9 (words of the names;
-    "tma+magic6": both words) runs those configs alone, for a GPU call that checks a new family
-    and has no time for the others (select the dtype and bits that have them with -k: a filter
-    that matches nothing fails)."""
+    int8), at 1, 7 and 20 rows, the tiled families at 150 rows (three row tiles of 64, two of
+    128), the few-row `tma` ones at 20 and 50: it matches the reference and leaves every tile
+    counter at zero for the next launch. Tuning only ever runs the winner, so without this a
+    broken variant could wait for the one GPU it wins on. MPINFER_FAMILY_ONLY=magic8,magic9
+    (words of the names; "tma+magic6": both words) runs those configs alone, for a GPU call
+    that checks a new family and has no time for the others (select the dtype and bits that
+    have them with -k: a filter that matches nothing fails)."""
     from mpinfer.model.kernels import launch, tuning, w4a16, w8a16, w8a16_tma
     from mpinfer.model.quant import quantize_int4
 
@@ -148,6 +148,7 @@ def test_every_config_family_split_k(bits, dtype):
     if bits == 8:
         q, scale = quantize_rows(w)
         names = (tuning.names(tuning.SWEEP_FAMILIES, (1, 3), dt)
+                 + tuning.names(tuning.FEW_ROW_TMA, (1, 3), dt)
                  + tuning.names(tuning.TILED_FAMILIES, (1, 3), dt))  # fmt: skip
     else:
         p4 = quantize_int4(w, 128)
@@ -159,7 +160,8 @@ def test_every_config_family_split_k(bits, dtype):
     failures = []
     for config in names:
         kw, _, _ = tuning.parse(config)
-        rows = (150,) if kw["BLOCK_M"] else (1, 7, 20) if kw["USE_DOT"] else (1,)
+        rows = (150,) if kw["BLOCK_M"] else (20, 50) if kw["TMA"] else (1, 7, 20) if \
+            kw["USE_DOT"] else (1,)  # fmt: skip
         for M in rows:
             if tuning.illegal(config, M, N, K, dt, bits=bits, group=128 if bits == 4 else 0):
                 continue  # what `illegal` refuses: one row in swap (but int4's magic7), int4

@@ -79,16 +79,18 @@ def test_the_tma_loop_compiles_warp_specialized_for_hopper():
     against 197). The same kernel with its weight's descriptor made by the launcher was not
     partitioned consistently (round 13), so a regression there shows as no warp specialization
     or a failed compile. A split config stores its partial sums for a second launch to add (the
-    split-K counters' epilogue stopped the partitioning, round 13), and stays warp-specialized."""
+    split-K counters' epilogue stopped the partitioning, round 13), and stays warp-specialized.
+    So does one tile of a few-row bucket's rows (round 15: 32 rows, 114 instructions)."""
     from mpinfer.tools.diag.kernel_sass import loop_report
 
     swap = loop_report("swap n128 k64 split1 pf0 magic6 w8 s3 m128")
-    for cfg in (
-        "tma n128 k64 split1 pf0 magic6 w4 s3 m128",
-        "tma n128 k64 split1 pf0 magic6 w4 s3 m256",
-        "tma n128 k64 split3 pf0 magic6 w4 s3 m128",  # partial sums stored, no counters
+    for cfg, rows in (
+        ("tma n128 k64 split1 pf0 magic6 w4 s3 m128", 256),
+        ("tma n128 k64 split1 pf0 magic6 w4 s3 m256", 256),
+        ("tma n128 k64 split3 pf0 magic6 w4 s3 m128", 256),  # partial sums stored, no counters
+        ("tma n128 k64 split1 pf0 magic6 w4 s4", 32),
     ):
-        tma = loop_report(cfg)
+        tma = loop_report(cfg, rows=rows)
         assert tma["warp_specialized"] and not swap["warp_specialized"], (tma, swap)
         assert not tma["stack_bytes"] and tma["loop_ops"].get("HGMMA", 0) >= 4, tma
         assert tma["loop_instructions"] < 0.8 * swap["loop_instructions"], (tma, swap)

@@ -63,6 +63,15 @@ def test_every_sweep_config_name_round_trips():
     for bad in (dict(rows=32), dict(K=4104), dict(bits=4, group=128)):
         args = dict(rows=200, N=4096, K=4096, dtype="float16") | bad
         assert tuning.illegal(tma[0], **args), bad
+    # the few-row tma loop: one tile of the bucket's rows (no BLOCK_M), 17-64 rows
+    few = [n for n in tuning.candidates(64, "float16") if n.startswith("tma")]
+    assert few and few == [n for n in tuning.candidates(32, "float16") if n.startswith("tma")]
+    assert not any(n.startswith("tma") for n in tuning.candidates(16, "float16"))
+    assert all(tuning.parse(n)[0]["BLOCK_M"] == 0 for n in few)
+    assert not tuning.illegal(few[0], 20, 4096, 4096, "float16")
+    assert not tuning.illegal(few[0], 64, 4096, 4096, "float16")
+    for rows in (16, 1, 200):  # too few rows for it, or a tiled bucket (which names its tile)
+        assert tuning.illegal(few[0], rows, 4096, 4096, "float16"), rows
     # a split: legal while the partials fit the workspace and each split has a K tile
     assert not tuning.illegal(tma[0].replace("split1", "split2"), 200, 4096, 4096, "float16")
     assert tuning.illegal(tma[0].replace("split1", "split4"), 200, 16384, 4096, "float16")

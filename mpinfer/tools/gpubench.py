@@ -4,7 +4,8 @@ One run measures, in this order: the device-to-device copy bandwidth and the bf1
 this GPU (the ceilings), then for a random BLOOM of a given shape (weights made on the GPU, no
 checkpoint) mpinfer int8, fp16 and llm.int8, transformers fp16 and transformers + bitsandbytes
 8-bit: ms per decode step at batch 1, 8 and 32 after a context of 512, prefill time for 512
-and 2048 tokens (median of 5), peak GPU memory, and each row's floor (weight bytes / copy bandwidth).
+and 2048 tokens (median of 5), peak GPU memory, and each row's floor (weight bytes / copy
+bandwidth).
 mpinfer's decode step is the engine's: `ModelRunner.execute` of a decode step, which replays
 the same captured graph the server replays. `--simulate-tp 8` adds one rank's shard of
 BLOOM-176B at tp 8 (collectives skipped and counted). Writes JSON and a markdown table under

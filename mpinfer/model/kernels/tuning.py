@@ -45,8 +45,7 @@ TABLE_DIR = Path(__file__).parent / "tuned"
 # config). The engine's step graphs run every bucket at start-up.
 ROW_BUCKETS = (1, 16, 32, 64, 128, 256, 512, 1024)
 SINGLE_TILE = 64  # buckets up to this many rows are one tile of rows
-# Query tokens per tile of the prompt-chunk attention kernel (kernels/attention.py); the runner
-# cuts chunks into tiles of this many.
+# Query tokens a tile of the prompt-chunk attention kernel (kernels/attention.py; runner's chunks)
 CHUNK_TILE = 64
 WORKSPACE_BYTES = 32 << 20  # per device: the largest split-K partials a launch may write
 COUNTERS = 1 << 15  # per device: one int32 per output tile
@@ -76,6 +75,10 @@ TILED_FAMILIES = [
     ("tma", 128, 64, 4, 3, 0, 128), ("tma", 128, 64, 4, 4, 0, 128), ("tma", 128, 64, 4, 3, 0, 256),
     ("tma", 256, 64, 4, 3, 0, 128), ("tma", 128, 128, 4, 3, 0, 128), ("tma", 128, 64, 4, 4, 0, 64),
 ]  # fmt: skip
+# Round 15: the warp-specialized loop over one tile of the 32- and 64-row buckets' rows (the
+# tensor cores' narrow operand), swept with the tiled splits and conversions
+FEW_ROW_TMA, TMA_MIN_BUCKET = [("tma", 128, 128, 4, 3, 0, 0), ("tma", 128, 64, 4, 4, 0, 0),
+                               ("tma", 256, 64, 4, 3, 0, 0)], 32  # fmt: skip
 # int4: BLOCK_K is the group size, set per launch; these are the families at 128.
 INT4_FAMILIES = [
     ("fma", 16, 128, 4, 3, 0, 0), ("fma", 32, 128, 4, 3, 0, 0), ("fma", 64, 128, 4, 3, 0, 0),
@@ -208,7 +211,8 @@ def candidates(bucket: int, dtype: str, *, bits: int = 8, group: int = 128) -> l
                                        in INT4_FMA_UNSWEPT)]  # fmt: skip
     if bucket > SINGLE_TILE:
         return names(TILED_FAMILIES, TILED_SPLITS, dtype, TILED_MAGIC[dtype])
-    return names(SWEEP_FAMILIES, SWEEP_SPLITS, dtype)
+    tma = names(FEW_ROW_TMA, TILED_SPLITS, dtype, TILED_MAGIC[dtype]) * (bucket >= TMA_MIN_BUCKET)
+    return names(SWEEP_FAMILIES, SWEEP_SPLITS, dtype) + tma
 
 
 def row_bucket(rows: int) -> int:
@@ -248,8 +252,10 @@ def illegal(name_: str, rows: int, N: int, K: int, dtype: str, *, bits: int = 8,
             return "int4's tma loop converts with magic0 or magic1"
         if bits == 4 and N % 8:
             return "int4's tma loop copies rows of scales: N a multiple of 8"
-        if bucket <= SINGLE_TILE or not bm:
-            return f"the tma loop is for tiles of rows (more than {SINGLE_TILE} rows, a BLOCK_M)"
+        if bm and bucket <= SINGLE_TILE or not bm and bucket > SINGLE_TILE:
+            return f"a tma config names a BLOCK_M over {SINGLE_TILE} rows, none for fewer rows"
+        if bucket < TMA_MIN_BUCKET:
+            return f"the tma loop is for more than {TMA_MIN_BUCKET // 2} rows"
         if w != 4:
             return "the tma loop runs 4 warps a partition (Triton warp-specializes no other)"
         if K % 16:
