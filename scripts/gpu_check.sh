@@ -55,6 +55,8 @@
 #   r14-pdl   programmatic dependent launch: its GPU test, then decode steps with MPINFER_PDL
 #             0 and 1 alternating (bloom-7b1 int8 and int4; BLOOM-176B int4 where it fits)
 #   r13-mix   after r13-tma: the unique mix in-process, the shipped table against the re-tuned
+#   r15-fewrow  the few-row tma loop: family test, 32/64-row int8 launches re-tuned, the matmul
+#             table, the unique mix A/B (then r9-serve on the same machine serves its table)
 #   ncu       Nsight Compute's counters of single matmul launches (NCU_RUNS, diag.matmul_profile)
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
@@ -316,6 +318,24 @@ r14-pdl)  # round 14: programmatic dependent launch (MPINFER_PDL=1): its GPU tes
         TAIL=4 stage "176b-pdl$arm" 105 env MPINFER_PDL=$arm python3 -m mpinfer.cli bench gpu \
             --shape bloom-176b --rows mpinfer-int4 --batches 1,8 --out "$RES/176b-pdl$arm.json"
     done; fi ;;
+r15-fewrow)  # round 15: the warp-specialized loop over one tile of 17-64 rows: the tma family
+    # test, the 32- and 64-row int8 launches re-tuned with it in the sweep (MODELS8), the matmul
+    # table at 16-128 rows, then the unique mix in-process, shipped table against re-tuned,
+    # alternating (the re-tuned table is left in $RES and /tmp for a served A/B)
+    cp "$table" /tmp/base.json
+    MPINFER_FAMILY_ONLY=tma TAIL=6 stage gpu-tests-tma "${TEST_TIME:-80}" gpu_tests \
+        -k "every_config_family and dtype0-8"
+    TAIL=12 stage tune-fewrow "${TUNE8_TIME:-150}" bench kernels --tune "$table" --quant int8 \
+        --rows 32,64 --models "${MODELS8:-bloom-7b1,bloom-176b:8}" --out "$RES/tune-fewrow.json"
+    cp "$table" "$RES/fewrow-table.json"; cp "$table" /tmp/r15-table.json
+    TAIL=40 stage kernels "${KERNEL_TIME:-80}" bench kernels --rows 16,32,64,128 --quant int8 \
+        --models "${MODELS_K:-bloom-7b1,bloom-176b:8}" --out "$RES/kernels.json"
+    for arm in base tuned base tuned; do
+        cp "/tmp/$([ $arm = base ] && echo base || echo r15-table).json" "$table"
+        TAIL=6 stage "mix-$arm-$SECONDS" "${MIX_TIME:-60}" python3 -m mpinfer.tools.diag.mixed_step \
+            --quick --seconds "${SUSTAIN:-12}" --out "$RES/mix-$arm-$SECONDS.json"
+    done
+    cp /tmp/r15-table.json "$table"; cp /tmp/r15-table.json /tmp/r9-table.json ;;
 ncu)  # Nsight Compute's counters of single launches (NCU_RUNS: ';'-separated argument lists of
     # diag.matmul_profile: shape, rows, bits, configs)
     IFS=';' read -ra runs <<< "${NCU_RUNS:?NCU_RUNS: e.g. --shape 12288x4096 --rows 512 CONFIG}"
