@@ -25,6 +25,7 @@ scheduler.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -174,6 +175,12 @@ class FlatBatch:
     def decode_rows(self) -> int:
         return self.dec_seq.shape[0]
 
+    @cached_property
+    def dec_from(self) -> torch.Tensor:
+        """Where every decode row's attention starts: position 0 (one tensor a step, which
+        every layer's decode attention reads)."""
+        return torch.zeros_like(self.dec_pos)
+
 
 def attend_kernels(qkv, kv, tables, batch: FlatBatch, slopes, heads, head_dim):
     """(N, heads * head_dim): the GPU path, three launches over fixed grids; kv is a layer's
@@ -184,9 +191,8 @@ def attend_kernels(qkv, kv, tables, batch: FlatBatch, slopes, heads, head_dim):
     store_kv(qkv, k_cache, v_cache, batch.seq, batch.pos, tables, scales)
     out = torch.zeros((qkv.shape[0], heads * head_dim), dtype=qkv.dtype, device=qkv.device)
     if batch.decode_rows:
-        zeros = torch.zeros_like(batch.dec_pos)
         decode_attention(qkv[: batch.decode_rows], k_cache, v_cache, batch.dec_seq, batch.dec_pos,
-                         zeros, slopes, tables, out=out[: batch.decode_rows],
+                         batch.dec_from, slopes, tables, out=out[: batch.decode_rows],
                          scales=scales)  # fmt: skip
     chunk_attention(qkv, k_cache, v_cache, batch.tiles, slopes, tables, out, scales)
     return out

@@ -11,10 +11,11 @@
 its key and value and attends to [valid_from[b], positions[b]]; a row of seq -1 (padding) does
 neither: zeros out. Flash-decoding: program (b, h, s) streams split s of the row's keys and
 values (the history cut into n_splits equal runs of BLOCK_L-key tiles at run time) with an online
-softmax in fp32, and a second kernel merges the splits; batch 1 with 32 heads still fills the
-GPU. Tiles of 32 keys with 2 warps per program beat 64 keys with 4 by 1.3-1.5x at every batch on
-the H200 (docs/performance.md). The new token's key and value come straight from qkv (no
-read-after-write of the cache inside a program).
+softmax in fp32, and the last split of (b, h) to finish merges them (in split order; a counter
+per row and head); batch 1 with 32 heads still fills the GPU. Tiles of 32 keys with 2 warps per
+program beat 64 keys with 4 by 1.3-1.5x at every batch on the H200 (docs/performance.md). The
+new token's key and value come straight from qkv (no read-after-write of the cache inside a
+program).
 
 `store_kv` + `chunk_attention`: the prompt chunks of a step. The first writes every token's key
 and value into the cache (tokens of row -1 write nothing); the second runs program (tile, h)
@@ -31,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import pdl, pdl_release
-from .tuning import CHUNK_TILE, attention_splits, sm_count
+from .launch import device_scratch, pdl, pdl_release
+from .tuning import CHUNK_TILE, COUNTERS, attention_splits, sm_count
 from .w8a16_convert import _to_compute
 
 
@@ -63,14 +64,19 @@ TILE_KEYS, WARPS, STAGES = 32, 2, 3
 @triton.jit
 def _decode_attention_kernel(
     qkv_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ws_ptr, slot_ptr, pos_ptr, vf_ptr, slope_ptr,
-    table_ptr, stride_qkv, stride_cs, stride_ch, stride_cl, stride_ss, stride_sh, stride_t, scale,
-    n_heads, n_splits,
+    table_ptr, out_ptr, cnt_ptr, stride_qkv, stride_cs, stride_ch, stride_cl, stride_ss,
+    stride_sh, stride_t, stride_out, scale, n_heads, n_splits,
     HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr,
+    MERGE: tl.constexpr, RELEASE: tl.constexpr,
 ):  # fmt: skip
     """Program (b, h, s): split s of the keys [vf, pos) of row b, cut into n_splits equal runs
     of whole BLOCK_L tiles at run time (the row's length is known only on the device, so a
     captured graph serves every length), and (s == 0) the new token at pos. Writes its partial
-    softmax state (max, sum, weighted values) to the workspace."""
+    softmax state (max, sum, weighted values) to the workspace; MERGE: the last split of (b, h)
+    to arrive (a counter, left at zero) merges them into the output, else `_combine_kernel`
+    does."""
+    if MERGE:
+        pdl_release(RELEASE)  # the dense matmul after it may launch (launch.py's PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -148,28 +154,45 @@ def _decode_attention_kernel(
     tl.store(ws + d, acc)
     tl.store(ws + HEAD_DIM, m)
     tl.store(ws + HEAD_DIM + 1, denom)
+    if MERGE:
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        arrived = tl.atomic_add(cnt_ptr + b * n_heads + h, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_splits - 1:  # the last split of (b, h): merge all, in split order
+            _merge(ws_ptr, out_ptr, stride_out, b, h, n_heads, n_splits, HEAD_DIM)
+            tl.atomic_xchg(cnt_ptr + b * n_heads + h, 0)  # ready for the next launch
+
+
+@triton.jit
+def _merge(ws_ptr, out_ptr, stride_out, b, h, n_heads, n_splits, HEAD_DIM: tl.constexpr):
+    """Merge (b, h)'s splits' partial softmax states (the workspace) into the output, one split
+    at a time in split order (an online softmax over the splits: the registers of one)."""
+    d = tl.arange(0, HEAD_DIM)
+    ws = ws_ptr + (b * n_heads + h) * n_splits * (HEAD_DIM + 2)
+    m_all = -float("inf")
+    total = 0.0
+    acc = tl.zeros((HEAD_DIM,), dtype=tl.float32)
+    for i in range(n_splits):
+        part = ws + i * (HEAD_DIM + 2)
+        m = tl.load(part + HEAD_DIM, cache_modifier=".cg")
+        den = tl.load(part + HEAD_DIM + 1, cache_modifier=".cg")
+        m_new = tl.maximum(m_all, m)
+        keep = tl.where(total > 0, tl.exp(m_all - m_new), 0.0)  # empty so far: nothing to keep
+        w = tl.where(den > 0, tl.exp(m - m_new), 0.0)  # an empty split (m = -inf) weighs nothing
+        acc = acc * keep + tl.load(part + d, cache_modifier=".cg") * w
+        total = total * keep + den * w
+        m_all = m_new
+    # A padding row has no split with weight: its output is zeros, not 0/0.
+    out = tl.where(total > 0, acc / total, 0.0)
+    tl.store(out_ptr + b * stride_out + h * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
 def _combine_kernel(ws_ptr, out_ptr, stride_out, n_heads, n_splits, HEAD_DIM: tl.constexpr,
-                    SPLITS_P2: tl.constexpr, RELEASE: tl.constexpr):  # fmt: skip
-    """Program (b, h): merge the splits' partial softmax states into the output."""
+                    RELEASE: tl.constexpr):  # fmt: skip
+    """Program (b, h): `_merge` as a second launch (more rows x heads than counters)."""
     pdl_release(RELEASE)  # the dense matmul after it may launch (launch.py's PDL)
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    sp = tl.arange(0, SPLITS_P2)
-    d = tl.arange(0, HEAD_DIM)
-    ws = ws_ptr + (b * n_heads + h) * n_splits * (HEAD_DIM + 2)
-    ok = sp < n_splits
-    m = tl.load(ws + sp * (HEAD_DIM + 2) + HEAD_DIM, mask=ok, other=-float("inf"))
-    den = tl.load(ws + sp * (HEAD_DIM + 2) + HEAD_DIM + 1, mask=ok, other=0.0)
-    acc = tl.load(ws + sp[:, None] * (HEAD_DIM + 2) + d[None, :], mask=ok[:, None], other=0.0)
-    m_all = tl.max(m, axis=0)
-    w = tl.where(den > 0, tl.exp(m - m_all), 0.0)  # empty splits (m = -inf) weigh nothing
-    total = tl.sum(den * w, axis=0)
-    # A padding row has no split with weight: its output is zeros, not 0/0.
-    out = tl.where(total > 0, tl.sum(acc * w[:, None], axis=0) / total, 0.0)
-    tl.store(out_ptr + b * stride_out + h * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
+    _merge(ws_ptr, out_ptr, stride_out, tl.program_id(0), tl.program_id(1), n_heads, n_splits,
+           HEAD_DIM)  # fmt: skip
 
 
 def decode_attention(
@@ -202,18 +225,21 @@ def decode_attention(
     if out is None:
         out = torch.empty((B, heads * head_dim), dtype=qkv.dtype, device=qkv.device)
     ks, vs = scales if scales is not None else (k_cache, v_cache)  # (unread without QUANT)
+    merge = B * heads <= COUNTERS  # the last split merges: one launch, not two
+    counters = device_scratch(qkv.device)[1]
+    release = pdl(qkv.device)
     _decode_attention_kernel[(B, heads, n_splits)](
-        qkv, k_cache, v_cache, ks, vs, ws, slot_ids, positions, valid_from, slopes, tables,
+        qkv, k_cache, v_cache, ks, vs, ws, slot_ids, positions, valid_from, slopes, tables, out,
+        counters,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        *_scale_strides(scales), tables.stride(0), head_dim**-0.5, heads, n_splits,
+        *_scale_strides(scales), tables.stride(0), out.stride(0), head_dim**-0.5, heads, n_splits,
         HEAD_DIM=head_dim, BLOCK_L=block_l, BLOCK_SIZE=block_size, QUANT=scales is not None,
+        MERGE=merge, RELEASE=release,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    _combine_kernel[(B, heads)](
-        ws, out, out.stride(0), heads, n_splits,
-        HEAD_DIM=head_dim, SPLITS_P2=triton.next_power_of_2(n_splits), RELEASE=pdl(qkv.device),
-        num_warps=2,
-    )  # fmt: skip
+    if not merge:
+        _combine_kernel[(B, heads)](ws, out, out.stride(0), heads, n_splits, HEAD_DIM=head_dim,
+                                    RELEASE=release, num_warps=2)  # fmt: skip
     return out
 
 
