@@ -228,6 +228,16 @@ def attention_case(kv: str, g: torch.Generator) -> bool:
                              heads, hd)  # fmt: skip
     ok = check(f"attention over a {kv} cache", out_k[:n], out_r)
     ok &= check(f"attention over a {kv} cache, merged by a second launch", out_2[:n], out_r)
+    # padding tokens' rows are store_kv's to zero (the output is not cleared first): zeros
+    # there, every other row left as it was
+    rows = torch.full((64, heads * hd), float("nan"))
+    attention.store_kv(qkv, *caches[0].layer(0)[:2], seq, pos, caches[0].tables,
+                       caches[0].layer(0)[2], rows)  # fmt: skip
+    pad = seq < 0
+    zeroed = bool(pad.any() and rows[pad].eq(0).all() and rows[~pad].isnan().all())
+    print(f"  padding tokens' rows zeroed by store_kv, the others untouched: "
+          f"{'ok' if zeroed else 'FAIL'}")  # fmt: skip
+    ok &= zeroed and bool(out_k[pad].eq(0).all())
     for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):  # what was written
         same = (a.float() - b.float()).abs().max().item() <= (1 if q8 else 1e-6)
         ok &= same

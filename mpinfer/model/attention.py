@@ -14,12 +14,12 @@ model layer's side of the step (the runner builds the batch, the model runs it).
 
 Every linear layer runs once over all N tokens (one pass over the weights a step, whatever the
 mix); only attention tells the rows apart. On a GPU it is three launches (kernels/attention.py):
-`store_kv` writes every token's key and value, `decode_attention` runs the first `decode_rows`
-tokens (flash-decoding, seq -1 for rows that are not decode rows), `chunk_attention` the prompt
-chunks' query tiles. The reference (`attend_reference`, CPU and the tests' oracle) writes the
-same cache and runs each segment through SDPA with BLOOM's ALiBi bias and a causal mask. What is
-not here: building a batch from a step (runner.py), the blocks' owners (blocks.py,
-scheduler.py).
+`store_kv` writes every token's key and value (and a padding token's output row: zeros),
+`decode_attention` runs the first `decode_rows` tokens (flash-decoding, seq -1 for rows that are
+not decode rows), `chunk_attention` the prompt chunks' query tiles. The reference
+(`attend_reference`, CPU and the tests' oracle) writes the same cache and runs each segment
+through SDPA with BLOOM's ALiBi bias and a causal mask. What is not here: building a batch from
+a step (runner.py), the blocks' owners (blocks.py, scheduler.py).
 """
 
 from __future__ import annotations
@@ -188,8 +188,10 @@ def attend_kernels(qkv, kv, tables, batch: FlatBatch, slopes, heads, head_dim):
     from .kernels.attention import chunk_attention, decode_attention, store_kv
 
     k_cache, v_cache, scales = kv
-    store_kv(qkv, k_cache, v_cache, batch.seq, batch.pos, tables, scales)
-    out = torch.zeros((qkv.shape[0], heads * head_dim), dtype=qkv.dtype, device=qkv.device)
+    # every token's output row is written by one launch: a padding token's (zeros) by store_kv,
+    # a decode row's by decode_attention, a prompt token's by chunk_attention
+    out = torch.empty((qkv.shape[0], heads * head_dim), dtype=qkv.dtype, device=qkv.device)
+    store_kv(qkv, k_cache, v_cache, batch.seq, batch.pos, tables, scales, out)
     if batch.decode_rows:
         decode_attention(qkv[: batch.decode_rows], k_cache, v_cache, batch.dec_seq, batch.dec_pos,
                          batch.dec_from, slopes, tables, out=out[: batch.decode_rows],

@@ -250,18 +250,22 @@ CHUNK_M, CHUNK_N, CHUNK_WARPS, CHUNK_STAGES = CHUNK_TILE, 64, 4, 2
 
 @triton.jit
 def _store_kv_kernel(qkv_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, seq_ptr, pos_ptr, table_ptr,
-                     stride_qkv, stride_cs, stride_ch, stride_cl, stride_ss, stride_sh, stride_t,
-                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     QUANT: tl.constexpr):  # fmt: skip
-    """Program (t, h): token t's key and value of head h into its row's block (row -1: none)."""
+                     out_ptr, stride_qkv, stride_cs, stride_ch, stride_cl, stride_ss, stride_sh,
+                     stride_t, stride_out, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     QUANT: tl.constexpr, ZERO_OUT: tl.constexpr):  # fmt: skip
+    """Program (t, h): token t's key and value of head h into its row's block (row -1: none;
+    ZERO_OUT: its attention output's head is zeros instead, which no attention kernel writes)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     seq = tl.load(seq_ptr + t)
+    d = tl.arange(0, HEAD_DIM)
     if seq < 0:
+        if ZERO_OUT:
+            o = out_ptr + t.to(tl.int64) * stride_out + h * HEAD_DIM + d
+            tl.store(o, tl.zeros((HEAD_DIM,), dtype=out_ptr.dtype.element_ty))
         return
     pos = tl.load(pos_ptr + t)
     blk = tl.load(table_ptr + seq.to(tl.int64) * stride_t + pos // BLOCK_SIZE).to(tl.int64)
-    d = tl.arange(0, HEAD_DIM)
     src = qkv_ptr + t.to(tl.int64) * stride_qkv + h * 3 * HEAD_DIM
     dst = blk * stride_cs + h * stride_ch + (pos % BLOCK_SIZE) * stride_cl + d
     k = tl.load(src + HEAD_DIM + d)
@@ -352,16 +356,19 @@ def _chunk_attention_kernel(
 
 
 def store_kv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: torch.Tensor,
-             positions: torch.Tensor, tables: torch.Tensor, scales=None) -> None:  # fmt: skip
+             positions: torch.Tensor, tables: torch.Tensor, scales=None,
+             out: torch.Tensor | None = None) -> None:  # fmt: skip
     """Every token's key and value (qkv row t: cache row seq[t], position positions[t]);
-    with `scales` (an int8 cache's), quantized with a scale per token and head."""
+    with `scales` (an int8 cache's), quantized with a scale per token and head; with `out` (the
+    step's attention output, N x heads * head_dim), zeros in the rows of tokens of row -1."""
     heads, block_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     ks, vs = scales if scales is not None else (k_cache, v_cache)
     _store_kv_kernel[(qkv.shape[0], heads)](
-        qkv, k_cache, v_cache, ks, vs, seq, positions, tables,
+        qkv, k_cache, v_cache, ks, vs, seq, positions, tables, out if out is not None else qkv,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        *_scale_strides(scales), tables.stride(0),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, QUANT=scales is not None, num_warps=1,
+        *_scale_strides(scales), tables.stride(0), out.stride(0) if out is not None else 0,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, QUANT=scales is not None,
+        ZERO_OUT=out is not None, num_warps=1,
     )  # fmt: skip
 
 
