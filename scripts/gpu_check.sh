@@ -57,6 +57,8 @@
 #   r13-mix   after r13-tma: the unique mix in-process, the shipped table against the re-tuned
 #   r15-fewrow  the few-row tma loop: family test, 32/64-row int8 launches re-tuned, the matmul
 #             table, the unique mix A/B (then r9-serve on the same machine serves its table)
+#   ab-old    this tree's code against an older tree's (.ab/old, carried), same table: decode
+#             steps and the unique mix, alternating
 #   ncu       Nsight Compute's counters of single matmul launches (NCU_RUNS, diag.matmul_profile)
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
@@ -336,6 +338,21 @@ r15-fewrow)  # round 15: the warp-specialized loop over one tile of 17-64 rows: 
             --quick --seconds "${SUSTAIN:-12}" --out "$RES/mix-$arm-$SECONDS.json"
     done
     cp /tmp/r15-table.json "$table"; cp /tmp/r15-table.json /tmp/r9-table.json ;;
+ab-old)  # this tree against an older one's code, same table, alternating on one machine: decode
+    # steps (bloom-7b1 int8 and int4) and the unique mix in-process. The older tree: carried in
+    # .ab/old (ignored by git), e.g. `mkdir -p .ab/old && git archive COMMIT mpinfer | tar -x -C
+    # .ab/old`; `carry` names .ab
+    [ -d .ab/old/mpinfer ] || { echo "ab-old: no .ab/old/mpinfer (carry .ab)"; exit 2; }
+    cp "$table" ".ab/old/$table"
+    for arm in old new old new; do
+        dir=$([ $arm = old ] && echo "$PWD/.ab/old" || echo "$PWD")
+        TAIL=4 stage "decode-$arm-$SECONDS" 60 env PYTHONPATH="/tmp/site:$dir" python3 -m \
+            mpinfer.cli bench gpu --shape bloom-7b1 --rows mpinfer-int8,mpinfer-int4 \
+            --batches 1,8,32 --out "$RES/decode-$arm-$SECONDS.json"
+        TAIL=3 stage "mix-$arm-$SECONDS" "${MIX_TIME:-60}" env PYTHONPATH="/tmp/site:$dir" \
+            python3 -m mpinfer.tools.diag.mixed_step --quick --seconds "${SUSTAIN:-12}" \
+            --out "$RES/mix-$arm-$SECONDS.json"
+    done ;;
 ncu)  # Nsight Compute's counters of single launches (NCU_RUNS: ';'-separated argument lists of
     # diag.matmul_profile: shape, rows, bits, configs)
     IFS=';' read -ra runs <<< "${NCU_RUNS:?NCU_RUNS: e.g. --shape 12288x4096 --rows 512 CONFIG}"
