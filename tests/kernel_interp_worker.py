@@ -228,6 +228,15 @@ def attention_case(kv: str, g: torch.Generator) -> bool:
                              heads, hd)  # fmt: skip
     ok = check(f"attention over a {kv} cache", out_k[:n], out_r)
     ok &= check(f"attention over a {kv} cache, merged by a second launch", out_2[:n], out_r)
+    # a merge of more splits than one load takes (attention.MERGE_SPLITS), most of them empty,
+    # gives what one split does
+    k_c, v_c, sc = caches[0].layer(0)
+    one, many = (attention.decode_attention(qkv[: batch.decode_rows], k_c, v_c, dec_seq, dec_pos,
+                                            batch.dec_from, slopes, caches[0].tables, scales=sc,
+                                            n_splits=n)
+                 for n in (1, 2 * attention.MERGE_SPLITS.value + 3))  # fmt: skip
+    ok &= check(f"decode attention over a {kv} cache, {2 * attention.MERGE_SPLITS.value + 3} "
+                "splits against one", many, one.float())  # fmt: skip
     # padding tokens' rows are store_kv's to zero (the output is not cleared first): zeros
     # there, every other row left as it was
     rows = torch.full((64, heads * hd), float("nan"))

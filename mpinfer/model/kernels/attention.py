@@ -59,6 +59,7 @@ def _scale_strides(scales) -> tuple[int, int]:
 # Keys per tile, warps and pipeline stages per program (the sweep's winner; stages made no
 # difference there).
 TILE_KEYS, WARPS, STAGES = 32, 2, 3
+MERGE_SPLITS = tl.constexpr(16)  # splits a merge loads at once (16 adds no registers)
 
 
 @triton.jit
@@ -158,28 +159,34 @@ def _decode_attention_kernel(
         tl.debug_barrier()  # every thread's partial is written before the counter moves
         arrived = tl.atomic_add(cnt_ptr + b * n_heads + h, 1, sem="acq_rel", scope="gpu")
         if arrived == n_splits - 1:  # the last split of (b, h): merge all, in split order
-            _merge(ws_ptr, out_ptr, stride_out, b, h, n_heads, n_splits, HEAD_DIM)
+            _merge(ws_ptr, out_ptr, stride_out, b, h, n_heads, n_splits, HEAD_DIM, MERGE_SPLITS)
             tl.atomic_xchg(cnt_ptr + b * n_heads + h, 0)  # ready for the next launch
 
 
 @triton.jit
-def _merge(ws_ptr, out_ptr, stride_out, b, h, n_heads, n_splits, HEAD_DIM: tl.constexpr):
-    """Merge (b, h)'s splits' partial softmax states (the workspace) into the output, one split
-    at a time in split order (an online softmax over the splits: the registers of one)."""
+def _merge(ws_ptr, out_ptr, stride_out, b, h, n_heads, n_splits, HEAD_DIM: tl.constexpr,
+           CHUNK: tl.constexpr):  # fmt: skip
+    """Merge (b, h)'s splits' partial softmax states (the workspace) into the output: CHUNK
+    splits a load (one round trip for most launches, a few registers), the chunks in order (an
+    online softmax over them)."""
     d = tl.arange(0, HEAD_DIM)
     ws = ws_ptr + (b * n_heads + h) * n_splits * (HEAD_DIM + 2)
     m_all = -float("inf")
     total = 0.0
     acc = tl.zeros((HEAD_DIM,), dtype=tl.float32)
-    for i in range(n_splits):
-        part = ws + i * (HEAD_DIM + 2)
-        m = tl.load(part + HEAD_DIM, cache_modifier=".cg")
-        den = tl.load(part + HEAD_DIM + 1, cache_modifier=".cg")
-        m_new = tl.maximum(m_all, m)
+    for c in range(0, n_splits, CHUNK):
+        sp = c + tl.arange(0, CHUNK)
+        ok = sp < n_splits
+        part = ws + sp * (HEAD_DIM + 2)
+        m = tl.load(part + HEAD_DIM, mask=ok, other=-float("inf"), cache_modifier=".cg")
+        den = tl.load(part + HEAD_DIM + 1, mask=ok, other=0.0, cache_modifier=".cg")
+        vals = tl.load(part[:, None] + d[None, :], mask=ok[:, None], other=0.0,
+                       cache_modifier=".cg")  # fmt: skip
+        m_new = tl.maximum(m_all, tl.max(m, axis=0))
         keep = tl.where(total > 0, tl.exp(m_all - m_new), 0.0)  # empty so far: nothing to keep
         w = tl.where(den > 0, tl.exp(m - m_new), 0.0)  # an empty split (m = -inf) weighs nothing
-        acc = acc * keep + tl.load(part + d, cache_modifier=".cg") * w
-        total = total * keep + den * w
+        acc = acc * keep + tl.sum(vals * w[:, None], axis=0)
+        total = total * keep + tl.sum(den * w, axis=0)
         m_all = m_new
     # A padding row has no split with weight: its output is zeros, not 0/0.
     out = tl.where(total > 0, acc / total, 0.0)
@@ -192,7 +199,7 @@ def _combine_kernel(ws_ptr, out_ptr, stride_out, n_heads, n_splits, HEAD_DIM: tl
     """Program (b, h): `_merge` as a second launch (more rows x heads than counters)."""
     pdl_release(RELEASE)  # the dense matmul after it may launch (launch.py's PDL)
     _merge(ws_ptr, out_ptr, stride_out, tl.program_id(0), tl.program_id(1), n_heads, n_splits,
-           HEAD_DIM)  # fmt: skip
+           HEAD_DIM, MERGE_SPLITS)  # fmt: skip
 
 
 def decode_attention(
