@@ -59,6 +59,8 @@
 #             table, the unique mix A/B (then r9-serve on the same machine serves its table)
 #   ab-old    this tree's code against an older tree's (.ab/old, carried), same table: decode
 #             steps and the unique mix, alternating
+#   rank-fit  one card of the 176B 8x24 GB configs (int8, int4) on one GPU: a simulated tp-8
+#             rank started under 24,564 MiB, its stages and KV pool against the plan, a burst
 #   ncu       Nsight Compute's counters of single matmul launches (NCU_RUNS, diag.matmul_profile)
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
@@ -352,6 +354,14 @@ ab-old)  # this tree against an older one's code, same table, alternating on one
         TAIL=3 stage "mix-$arm-$SECONDS" "${MIX_TIME:-60}" env PYTHONPATH="/tmp/site:$dir" \
             python3 -m mpinfer.tools.diag.mixed_step --quick --seconds "${SUSTAIN:-12}" \
             --out "$RES/mix-$arm-$SECONDS.json"
+    done ;;
+rank-fit)  # the headline config's one card on one GPU: rank 0 of BLOOM-176B at tp 8 (random
+    # weights in place, collectives skipped) started as `mpinfer serve` starts it under the
+    # config's 24,564 MiB, stage by stage against the plan, then a burst's NVML peak; int8, int4
+    for c in ${RANK_CONFIGS:-bloom-176b-8x24gb bloom-176b-8x24gb-int4}; do
+        TAIL=30 stage "rank-fit-$c" "${RANK_TIME:-200}" python3 -m \
+            mpinfer.tools.diag.startup_memory bloom-176b 24564MiB --simulate-tp 8 \
+            --config "configs/$c.toml" --out "$RES/rank-fit-$c.json"
     done ;;
 ncu)  # Nsight Compute's counters of single launches (NCU_RUNS: ';'-separated argument lists of
     # diag.matmul_profile: shape, rows, bits, configs)

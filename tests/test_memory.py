@@ -286,3 +286,38 @@ def parse(cfg):
     from mpinfer.config import parse_bytes
 
     return parse_bytes(cfg.model.memory_budget, "budget")
+
+
+def test_a_simulated_rank_of_the_headline_config_starts_as_serve_starts_it(monkeypatch):
+    """tools/diag/startup_memory --simulate-tp (the one-GPU check of a 24 GB card's rank): rank
+    0 of a tp-2 model with the 176B 8x24 GB config's quantization (int8 weights and
+    embeddings), built in place and started through runtime.start, holds its shard and serves
+    (here on the CPU, the tiny shape)."""
+    import torch
+
+    from mpinfer.dist import DistContext
+    from mpinfer.engine.sampling import SamplingParams
+    from mpinfer.startup import runtime
+    from mpinfer.tools.diag import startup_memory
+
+    real = startup_memory.build_random
+    monkeypatch.setattr(startup_memory, "build_random", lambda *a, **k: real(
+        *a, **k, device="cpu", dtype=torch.float32))  # fmt: skip
+    cfg = load_config(str(ROOT / "configs/bloom-176b-8x24gb.toml"),
+                      ["server.max_seq_len=128", "server.max_batch_slots=2"])  # fmt: skip
+    ctx = DistContext(0, 1, 0, torch.device("cpu"), None, None)
+    runner = startup_memory.simulated_rank("tiny", 2, cfg, ctx)
+    model = runner.loaded.model
+    qkv = model.h[0].self_attention.query_key_value.weight
+    assert runner.loaded.tp.tp_size == 2 and qkv.dtype == torch.int8
+    assert qkv.shape == (3 * 64 // 2, 64)  # tiny: hidden 64, a half of qkv's rows a rank
+    assert model.word_embeddings.weight.dtype == torch.int8
+    engine = runtime.start(cfg, ctx, runner=runner)
+    done = []
+    engine.submit(
+        [5, 6, 7, 8],
+        SamplingParams(max_new_tokens=6, ignore_eos=True),
+        lambda ev: done.append(ev) if ev.kind in ("done", "error") else None,
+    )
+    engine.run(until_idle=True, stop_ranks=False)
+    assert [ev.kind for ev in done] == ["done"] and len(done[0].result.token_ids) == 6

@@ -170,7 +170,13 @@ def prepare(cfg: RunConfig, ctx: DistContext, *, slots: int | None = None,
         except ValueError as e:
             error = str(e)
     raise_everywhere(error, ctx)  # before any weight moves
-    loaded = load_model(cfg, ctx)
+    return runner_for(load_model(cfg, ctx), cfg, ctx, slots=slots, max_seq=max_seq)
+
+
+def runner_for(loaded, cfg: RunConfig, ctx: DistContext, *, slots: int | None = None,
+               max_seq: int | None = None) -> ModelRunner:  # fmt: skip
+    """`prepare` after the load (or around a model built in place: tools/diag): the KV cache's
+    first pool and its fit to the budget, the graphs."""
     if loaded.device.type == "cuda":
         # The loader's freed temporaries would stay reserved, which the KV pool's fit counts as
         # held (H100, bloom-7b1 with every block in host memory: 13,784 MiB reserved, 2,355 used)

@@ -2,11 +2,16 @@
 (a diagnostic for the budget issue; GPU only):
 
     python -m mpinfer.tools.diag.startup_memory MODEL_DIR BUDGET [--set key=value ...]
+    python -m mpinfer.tools.diag.startup_memory bloom-176b 24GiB --simulate-tp 8 \
+        --config configs/bloom-176b-8x24gb.toml
 
 Starts the engine in this process as `mpinfer serve` would (one rank: load, warm-up, graphs,
 sampler, fit), and after every stage prints what torch has allocated and reserved, what lives
 outside the allocator (CUDA context, modules, cuBLAS/Triton workspaces) and what NVML counts for
-the process; then serves a burst of long and short prompts and prints the peaks.
+the process; then serves a burst of long and short prompts and prints the peaks. With
+`--simulate-tp N` the model is one rank of a tp-N model of that shape (tools/randmodel.py),
+random weights built in place, collectives skipped: what one card of the headline config holds,
+NCCL's buffers aside, and the KV pool its fit gives against the plan's.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import argparse
 import json
 import logging
 import os
+import tempfile
 import threading
 import time
 
@@ -25,9 +31,12 @@ from ...dist import DistContext
 from ...engine import engine as engine_mod
 from ...engine import runner as runner_mod
 from ...engine.sampling import SamplingParams
+from ...model.bloom import LoadedModel
 from ...model.gpumem import process_gpu_bytes
 from ...model.memory import budget_bytes, plan_memory
 from ...startup import runtime
+from ..randmodel import build_random
+from ..tiny import make_tiny
 
 MIB = 2**20
 STAGES: list[dict] = []
@@ -59,17 +68,32 @@ def wrap(cls, name: str, label: str) -> None:
     setattr(cls, name, wrapped)
 
 
+def simulated_rank(shape: str, tp_size: int, cfg, ctx):
+    """The runner `mpinfer serve` would make around rank 0 of a tp_size model of `shape`, built
+    in place with random weights (collectives skipped) and a tokenizer of its vocabulary."""
+    kind = cfg.quant.method + (":emb8" if cfg.quant.embeddings == "int8" else "")
+    model, shape_, tp = build_random(shape, kind, tp_size=tp_size)
+    tokdir = tempfile.mkdtemp()
+    make_tiny(tokdir, layers=1, hidden=64, heads=4, vocab=shape_.vocab_size, shards=1)
+    loaded = LoadedModel(model, shape_, tp, model.dtype, ctx.device, tokdir)
+    return runtime.runner_for(loaded, cfg, ctx)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("budget")
     ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--config", default=None, help="a TOML config (configs/*.toml)")
+    ap.add_argument("--simulate-tp", type=int, default=0,
+                    help="MODEL is a shape (tools/randmodel.py): one rank of tp=N")  # fmt: skip
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # the burst below queues twice the slots at once
-    cfg = load_config(None, [f'model.path="{args.model}"', f'model.memory_budget="{args.budget}"',
-                             "server.max_queue=4096", *args.set])  # fmt: skip
+    path = [] if args.simulate_tp else [f'model.path="{args.model}"']
+    cfg = load_config(args.config, [*path, f'model.memory_budget="{args.budget}"',
+                                    "server.max_queue=4096", *args.set])  # fmt: skip
     dev = torch.device("cuda")
     print(f"{'stage':<34}{'alloc':>10}{'reserved':>10}{'outside':>10}{'process':>10}  (MiB)")
     record("start")
@@ -80,10 +104,11 @@ def main() -> None:
     wrap(runner_mod.ModelRunner, "fit_cache", "fit_cache")
     wrap(engine_mod.Engine, "warm_up", "engine warm-up")
     ctx = DistContext(0, 1, 0, dev, None, None)
-    engine = runtime.start(cfg, ctx)
+    engine = runtime.start(cfg, ctx, runner=simulated_rank(args.model, args.simulate_tp, cfg, ctx)
+                           if args.simulate_tp else None)  # fmt: skip
     record("ready")
     loaded = engine.runner.loaded
-    plan = plan_memory(loaded.shape, loaded.cfg or cfg, tp_size=1,
+    plan = plan_memory(loaded.shape, loaded.cfg or cfg, tp_size=args.simulate_tp or 1,
                        budget=budget_bytes(loaded.cfg or cfg, dev))  # fmt: skip
     print("\nplanner (MiB):")
     for k, v in plan.items.items():
@@ -92,7 +117,8 @@ def main() -> None:
     r = engine.runner
     print(
         f"KV pool: {r.num_blocks} blocks x {r.cache.bytes_per_block / MIB:.2f} MiB = "
-        f"{r.num_blocks * r.cache.bytes_per_block / MIB:.0f} MiB; slots {r.slots}, buckets "
+        f"{r.num_blocks * r.cache.bytes_per_block / MIB:.0f} MiB (the plan's: "
+        f"{plan.kv_blocks} blocks); slots {r.slots}, buckets "
         f"{r.buckets[:3]}..{r.buckets[-1]}"
     )
     # a burst: long and short prompts, greedy and sampled
