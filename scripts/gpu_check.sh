@@ -52,8 +52,6 @@
 #             matmul table (the re-tuned table is left in $RES and /tmp)
 #   r14-int4  int4's warp-specialized loop: its family test, the tiled int4 launches re-tuned
 #             with it, the int4 matmul table, the int4 unique mix (shipped table vs re-tuned)
-#   r14-pdl   programmatic dependent launch: its GPU test, then decode steps with MPINFER_PDL
-#             0 and 1 alternating (bloom-7b1 int8 and int4; BLOOM-176B int4 where it fits)
 #   r13-mix   after r13-tma: the unique mix in-process, the shipped table against the re-tuned
 #   r15-fewrow  the few-row tma loop: family test, 32/64-row int8 launches re-tuned, the matmul
 #             table, the unique mix A/B (then r9-serve on the same machine serves its table)
@@ -308,20 +306,6 @@ r14-int4)  # round 14: int4's warp-specialized loop (int4 tma configs): its GPU 
             --out "$RES/mix4-$arm-$SECONDS.json"
     done
     cp /tmp/r14-int4-table.json "$table" ;;
-r14-pdl)  # round 14: programmatic dependent launch (MPINFER_PDL=1): its GPU test (greedy tokens
-    # with PDL in the graphs = plain eager ones), then decode steps with PDL off and on,
-    # alternating: bloom-7b1 int8 and int4, BLOOM-176B int4 where it fits
-    TAIL=6 stage gpu-tests-pdl "${TEST_TIME:-90}" gpu_tests -k "pdl"
-    big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits)
-    for arm in 0 1 0 1; do
-        TAIL=4 stage "7b1-pdl$arm-$SECONDS" 50 env MPINFER_PDL=$arm python3 -m mpinfer.cli bench gpu \
-            --shape bloom-7b1 --rows mpinfer-int8,mpinfer-int4 --batches 1,8 \
-            --out "$RES/7b1-pdl$arm-$SECONDS.json"
-    done
-    if [ "$big" -gt 120000 ]; then for arm in 0 1; do
-        TAIL=4 stage "176b-pdl$arm" 105 env MPINFER_PDL=$arm python3 -m mpinfer.cli bench gpu \
-            --shape bloom-176b --rows mpinfer-int4 --batches 1,8 --out "$RES/176b-pdl$arm.json"
-    done; fi ;;
 r15-fewrow)  # round 15: the warp-specialized loop over one tile of 17-64 rows: the tma family
     # test, the 32- and 64-row int8 launches re-tuned with it in the sweep (MODELS8), the matmul
     # table at 16-128 rows, then the unique mix in-process, shipped table against re-tuned,

@@ -66,29 +66,6 @@ def test_graph_decode_equals_eager_decode_token_for_token():
     assert out[True] == out[False]
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_pdl_launches_give_the_tokens_of_plain_ones(quant, monkeypatch):
-    """Programmatic dependent launch (launch.py's MPINFER_PDL): on Hopper and later the matmuls
-    start while the kernel before them finishes and wait for it before reading; on an older GPU
-    the switch is ignored. The engine on the bloom-7b1 shape with the switch on and its captured
-    graphs gives exactly the greedy tokens of plain eager launches; a read before the wait would
-    show as other tokens (or a failed capture)."""
-    from mpinfer.model.kernels import launch
-    from mpinfer.tools.randmodel import build_random, make_runner
-
-    model, shape, tp = build_random("bloom-7b1", quant)
-    prompts, params, _ = _uneven_batch(shape, 1)
-    out = {}
-    for on in (True, False):
-        monkeypatch.setattr(launch, "PDL", on)
-        hopper = torch.cuda.get_device_capability()[0] >= 9
-        assert launch.pdl(torch.device("cuda")) == (on and hopper)
-        runner = make_runner(model, shape, tp, slots=8, max_seq=256, cuda_graphs=on)
-        out[on] = _engine_tokens(runner, prompts, params)
-        del runner
-    assert out[True] == out[False]
-
-
 def test_seeded_sampling_gives_the_same_tokens_alone_and_in_a_batch_of_32():
     """A seeded request's tokens do not depend on what else runs: alone, and beside 31 other
     requests (greedy and sampling, other seeds), on the GPU. fp32 weights and activations, so

@@ -116,29 +116,3 @@ def test_the_int4_tma_loop_compiles_warp_specialized_for_hopper():
         assert r["loop_ops"].get("HGMMA", 0) >= 8, r
     wide = "tma n128 k128 split1 pf0 magic1 w4 s3 m128"
     assert "64 weight rows" in tuning.illegal(wide, 256, 4096, 4096, "float16", bits=4, group=128)
-
-
-def test_a_pdl_matmul_prefetches_waits_then_loads():
-    """Programmatic dependent launch (launch.py, MPINFER_PDL=1) compiled for sm_90a: a matmul's
-    program asks L2 for its first weight lines (CCTL.E.PF2), waits for the kernel before
-    (ACQBULK: griddepcontrol.wait), lets the next kernel launch (PREEXIT), and only then loads
-    anything; without PDL none of the three is there. A load hoisted above the wait would read
-    the previous kernel's output before it is written: the order is the correctness."""
-    from mpinfer.tools.diag.kernel_sass import opcodes
-
-    for cfg, bits, rows in (
-        ("fma n16 k256 split1 pf0 magic2 w4 s3", 8, 1),
-        ("dot n64 k128 split3 pf0 magic2 w4 s3", 8, 16),
-        ("fma n64 k128 split4 pf1 magic8 w2 s3", 4, 1),
-        ("swap n128 k128 split1 pf0 magic1 w8 s3 m128", 4, 256),
-    ):
-        ops = opcodes(cfg, bits=bits, rows=rows, pdl=2)
-        first = {o: ops.index(next(x for x in ops if x.startswith(o))) for o in
-                 ("CCTL.E.PF2", "ACQBULK", "PREEXIT", "LDG")}  # fmt: skip
-        assert first["CCTL.E.PF2"] < first["ACQBULK"] < first["LDG"], (cfg, first)
-        assert first["ACQBULK"] < first["PREEXIT"], (cfg, first)
-        assert not any(o.startswith(("LDG", "STG", "ATOM", "RED")) for o in
-                       ops[: first["ACQBULK"]]), cfg  # fmt: skip
-        plain = opcodes(cfg, bits=bits, rows=rows)
-        assert not {"ACQBULK", "PREEXIT"} & set(plain), cfg
-        assert "CCTL.E.PF2" not in plain, cfg

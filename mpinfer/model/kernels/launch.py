@@ -20,7 +20,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import tuning
 from .tuning import COUNTERS, WORKSPACE_BYTES
@@ -28,52 +27,6 @@ from .tuning import COUNTERS, WORKSPACE_BYTES
 # Triton's interpreter (CPU tests) runs no PTX: there the kernels' PTX conversions run their
 # Triton-op twins, so the CPU tests check the algebra and the GPU tests the PTX.
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
-
-# Programmatic dependent launch (Hopper and later; MPINFER_PDL=1, off by default until a GPU
-# measures it): a decode step is ~280 matmul launches, and each loses 4-6 us to its ramp and
-# tail (docs/performance.md). Launched with PDL, a matmul's programs may start while the kernel
-# before it finishes: they ask L2 for their first weight tiles (weights never change), then
-# wait for that kernel (`gdc_wait`: it has finished and its writes are visible), and only then
-# read their inputs or write anything. The kernels before a matmul (LayerNorm, attention, the
-# matmuls) let their dependents launch as soon as all their own programs run.
-PDL = os.environ.get("MPINFER_PDL", "0") == "1"
-
-
-@functools.cache
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def pdl(device: torch.device) -> bool:
-    """Whether launches on `device` use programmatic dependent launch (PDL above)."""
-    return PDL and device.type == "cuda" and not INTERPRETED and _hopper(device_index(device))
-
-
-def pdl_lines(row_bytes: int) -> int:
-    """The 128-byte lines of each weight row a PDL matmul program prefetches before its wait
-    (its first `row_bytes`, at least one line, at most eight: a power of two)."""
-    return min(8, triton.next_power_of_2(max(1, row_bytes // 128)))
-
-
-@triton.jit
-def pdl_start(w_rows, LINES: tl.constexpr):
-    """A PDL matmul's prologue (LINES > 0): prefetch LINES lines of each of the program's
-    weight rows into L2 (`w_rows`: pointers to each row's first byte, inside the weight), wait
-    for the kernel before, and let the next kernel's programs launch. LINES 0: nothing."""
-    if LINES > 0:
-        lines = w_rows[:, None] + tl.arange(0, LINES)[None, :] * 128
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [lines],
-                                  dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-        gdc_wait()
-        gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_release(ON: tl.constexpr):
-    """Let the next kernel's programs launch now (where it was launched with PDL, they wait
-    for this kernel to finish before they read anything); ON False: nothing."""
-    if ON:
-        gdc_launch_dependents()
 
 
 @triton.jit

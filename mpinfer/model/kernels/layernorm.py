@@ -12,13 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import pdl, pdl_release
-
 
 @triton.jit
-def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, H, stride, eps, BLOCK: tl.constexpr,
-                       RELEASE: tl.constexpr):  # fmt: skip
-    pdl_release(RELEASE)  # the matmul after it may launch (launch.py's PDL)
+def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, H, stride, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     ok = offs < H
@@ -39,7 +35,7 @@ def layer_norm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, e
     y = torch.empty_like(x2)
     block = triton.next_power_of_2(H)
     _layer_norm_kernel[(x2.shape[0],)](
-        x2, weight, bias, y, H, x2.stride(0), eps, BLOCK=block, RELEASE=pdl(x2.device),
+        x2, weight, bias, y, H, x2.stride(0), eps, BLOCK=block,
         num_warps=min(16, max(4, block // 1024)),
     )  # fmt: skip
     return y.reshape(x.shape)

@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import device_scratch, launch_plan, pdl, pdl_lines, pdl_start, reduce_and_finish
+from .launch import device_scratch, launch_plan, reduce_and_finish
 from .w4a16_convert import (
     FACTOR_RUN,
     WORD_RUN,
@@ -81,7 +81,7 @@ def _w4a16(
     BLOCK_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
     USE_DOT: tl.constexpr, SWAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr, MAGIC: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, MAGIC: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     # BLOCK_K is the group size; split_k cuts the groups into runs; PREFETCH: the one-row loop
     # takes two groups an iteration.
@@ -106,8 +106,6 @@ def _w4a16(
         row_bytes = K // 2
     w_ptrs = (w_ptr + first * row_bytes + rows[:, None] * row_bytes + g_lo * HALF
               + offs_h[None, :])  # (BLOCK_N, HALF)  # fmt: skip
-    # PDL (launch.py): the first groups' bytes toward L2, then wait for the kernel before
-    pdl_start(w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * row_bytes + g_lo * HALF, PDL)
     s_ptrs = s_ptr + g_lo * N + offs_n  # (BLOCK_N,): contiguous, the groups are rows
     z_ptrs = z_ptr + g_lo * N + offs_n
     cdt = x_ptr.dtype.element_ty
@@ -348,7 +346,6 @@ def w4a16_matmul(
             return done
         warps = 4  # the same tile in the pointer-loaded swap loop (kw's SWAP is set)
     ws, counters = device_scratch(x.device)
-    on = pdl(x.device)
     # magic7's sums of each row of x over each group (M, K / group), fp32
     xs = (torch.sum(x.view(M, K // group, group), dim=2, dtype=torch.float32)
           if kw["MAGIC"] in (7, 9) else ws)  # fmt: skip
@@ -359,7 +356,6 @@ def w4a16_matmul(
         M, N, K, x.stride(0), y.stride(0), residual.stride(0) if residual is not None else 0,
         kw["split_k"], HAS_BIAS=bias is not None, ACT=gelu, HAS_RES=residual is not None,
         **{k: v for k, v in kw.items() if k != "split_k"}, STAGES=stages, num_warps=warps,
-        num_stages=stages, PDL=pdl_lines(group) if on else 0,
-        **({"launch_pdl": True} if on else {}),
+        num_stages=stages,
     )  # fmt: skip
     return y

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import device_scratch, launch_plan, pdl, pdl_lines, pdl_start, reduce_and_finish
+from .launch import device_scratch, launch_plan, reduce_and_finish
 from .w8a16_convert import _to_compute
 from .w8a16_tma import try_tma, w8a16_tma_matmul
 
@@ -46,7 +46,7 @@ def _w8a16(
     BLOCK_M: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
     USE_DOT: tl.constexpr, SWAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr, MAGIC: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, MAGIC: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     # The config's words (tuning.py has the names): USE_DOT, the tensor-core loop, else the
     # one-row elementwise loop; SWAP, the weight tile as the dot's left operand (several rows);
@@ -67,8 +67,6 @@ def _w8a16(
     # The tile's first row in 64 bits (N x K passes 2^31 for BLOOM-176B's int8 LM head at tp 1)
     w_tile = w_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_wn
     w_ptrs = w_tile + tl.arange(0, BLOCK_N)[:, None] * stride_wn + offs_k[None, :]
-    # PDL (launch.py): the first weight lines toward L2, then wait for the kernel before
-    pdl_start(w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn + k_lo, PDL)
     cdt = x_ptr.dtype.element_ty
     tile = pid_m * tl.num_programs(1) + pid_n
     if USE_DOT and SWAP:
@@ -180,7 +178,6 @@ def w8a16_matmul(
             return done
         warps = 8  # the same tile in the pointer-loaded swap loop (kw's SWAP is set)
     ws, counters = device_scratch(x.device)
-    on = pdl(x.device)
     _w8a16[grid](
         x, q, scale, bias if bias is not None else scale,
         residual if residual is not None else y, y, ws, counters,
@@ -188,7 +185,6 @@ def w8a16_matmul(
         residual.stride(0) if residual is not None else 0, kw["split_k"],
         HAS_BIAS=bias is not None, ACT=gelu, HAS_RES=residual is not None,
         EVEN_K=K % kw["BLOCK_K"] == 0, **{k: v for k, v in kw.items() if k != "split_k"},
-        PDL=pdl_lines(2 * kw["BLOCK_K"]) if on else 0, num_warps=warps, num_stages=stages,
-        **({"launch_pdl": True} if on else {}),
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y

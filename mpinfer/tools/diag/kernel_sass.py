@@ -44,12 +44,10 @@ def compile_config(
     arch: int = 90,
     group: int = 128,
     rows: int = tuning.SINGLE_TILE,
-    pdl: int = 0,
 ):
     """The compiled kernel (Triton's CompiledKernel) of `config` for GPUs of `arch`, fp16
     activations, a bias, no GeLU or residual, whole K tiles, for a launch of `rows` (a config
-    without BLOCK_M takes the rows' bucket's tile); `pdl`: the lines a row the programmatic-
-    dependent-launch prologue prefetches (launch.py; 0: none)."""
+    without BLOCK_M takes the rows' bucket's tile)."""
     from ...model.kernels import w4a16, w4a16_tma, w8a16, w8a16_tma
 
     kw, warps, stages = tuning.parse(config)
@@ -61,7 +59,6 @@ def compile_config(
     regs = kw.pop("MAXNREG")  # a launch option ("r80"), not a meta-parameter
     fixed = dict(HAS_BIAS=True, ACT=False, HAS_RES=False, EVEN_K=True, STAGES=stages,
                  SPLIT=kw["split_k"] > 1,  # the tma loops compile apart with a split
-                 PDL=pdl,
                  **{k: v for k, v in kw.items() if k != "split_k"})  # fmt: skip
     fixed = {k: v for k, v in fixed.items() if k in names}
     ptrs = _POINTERS[bits]
