@@ -11,11 +11,10 @@
 its key and value and attends to [valid_from[b], positions[b]]; a row of seq -1 (padding) does
 neither: zeros out. Flash-decoding: program (b, h, s) streams split s of the row's keys and
 values (the history cut into n_splits equal runs of BLOCK_L-key tiles at run time) with an online
-softmax in fp32, and the last split of (b, h) to finish merges them (in split order; a counter
-per row and head); batch 1 with 32 heads still fills the GPU. Tiles of 32 keys with 2 warps per
-program beat 64 keys with 4 by 1.3-1.5x at every batch on the H200 (docs/performance.md). The
-new token's key and value come straight from qkv (no read-after-write of the cache inside a
-program).
+softmax in fp32, and a second kernel merges the splits; batch 1 with 32 heads still fills the
+GPU. Tiles of 32 keys with 2 warps per program beat 64 keys with 4 by 1.3-1.5x at every batch on
+the H200 (docs/performance.md). The new token's key and value come straight from qkv (no
+read-after-write of the cache inside a program).
 
 `store_kv` + `chunk_attention`: the prompt chunks of a step. The first writes every token's key
 and value into the cache (tokens of row -1 write nothing); the second runs program (tile, h)
@@ -32,8 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import device_scratch, pdl, pdl_release
-from .tuning import CHUNK_TILE, COUNTERS, attention_splits, sm_count
+from .tuning import CHUNK_TILE, attention_splits, sm_count
 from .w8a16_convert import _to_compute
 
 
@@ -59,25 +57,19 @@ def _scale_strides(scales) -> tuple[int, int]:
 # Keys per tile, warps and pipeline stages per program (the sweep's winner; stages made no
 # difference there).
 TILE_KEYS, WARPS, STAGES = 32, 2, 3
-MERGE_SPLITS = tl.constexpr(16)  # splits a merge loads at once (16 adds no registers)
 
 
 @triton.jit
 def _decode_attention_kernel(
     qkv_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, ws_ptr, slot_ptr, pos_ptr, vf_ptr, slope_ptr,
-    table_ptr, out_ptr, cnt_ptr, stride_qkv, stride_cs, stride_ch, stride_cl, stride_ss,
-    stride_sh, stride_t, stride_out, scale, n_heads, n_splits,
+    table_ptr, stride_qkv, stride_cs, stride_ch, stride_cl, stride_ss, stride_sh, stride_t, scale,
+    n_heads, n_splits,
     HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr,
-    MERGE: tl.constexpr, RELEASE: tl.constexpr,
 ):  # fmt: skip
     """Program (b, h, s): split s of the keys [vf, pos) of row b, cut into n_splits equal runs
     of whole BLOCK_L tiles at run time (the row's length is known only on the device, so a
     captured graph serves every length), and (s == 0) the new token at pos. Writes its partial
-    softmax state (max, sum, weighted values) to the workspace; MERGE: the last split of (b, h)
-    to arrive (a counter, left at zero) merges them into the output, else `_combine_kernel`
-    does."""
-    if MERGE:
-        pdl_release(RELEASE)  # the dense matmul after it may launch (launch.py's PDL)
+    softmax state (max, sum, weighted values) to the workspace."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -155,51 +147,27 @@ def _decode_attention_kernel(
     tl.store(ws + d, acc)
     tl.store(ws + HEAD_DIM, m)
     tl.store(ws + HEAD_DIM + 1, denom)
-    if MERGE:
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        arrived = tl.atomic_add(cnt_ptr + b * n_heads + h, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_splits - 1:  # the last split of (b, h): merge all, in split order
-            _merge(ws_ptr, out_ptr, stride_out, b, h, n_heads, n_splits, HEAD_DIM, MERGE_SPLITS)
-            tl.atomic_xchg(cnt_ptr + b * n_heads + h, 0)  # ready for the next launch
 
 
 @triton.jit
-def _merge(ws_ptr, out_ptr, stride_out, b, h, n_heads, n_splits, HEAD_DIM: tl.constexpr,
-           CHUNK: tl.constexpr):  # fmt: skip
-    """Merge (b, h)'s splits' partial softmax states (the workspace) into the output: CHUNK
-    splits a load (one round trip for most launches, a few registers), the chunks in order (an
-    online softmax over them)."""
+def _combine_kernel(ws_ptr, out_ptr, stride_out, n_heads, n_splits,
+                    HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr):  # fmt: skip
+    """Program (b, h): merge the splits' partial softmax states into the output."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_P2)
     d = tl.arange(0, HEAD_DIM)
     ws = ws_ptr + (b * n_heads + h) * n_splits * (HEAD_DIM + 2)
-    m_all = -float("inf")
-    total = 0.0
-    acc = tl.zeros((HEAD_DIM,), dtype=tl.float32)
-    for c in range(0, n_splits, CHUNK):
-        sp = c + tl.arange(0, CHUNK)
-        ok = sp < n_splits
-        part = ws + sp * (HEAD_DIM + 2)
-        m = tl.load(part + HEAD_DIM, mask=ok, other=-float("inf"), cache_modifier=".cg")
-        den = tl.load(part + HEAD_DIM + 1, mask=ok, other=0.0, cache_modifier=".cg")
-        vals = tl.load(part[:, None] + d[None, :], mask=ok[:, None], other=0.0,
-                       cache_modifier=".cg")  # fmt: skip
-        m_new = tl.maximum(m_all, tl.max(m, axis=0))
-        keep = tl.where(total > 0, tl.exp(m_all - m_new), 0.0)  # empty so far: nothing to keep
-        w = tl.where(den > 0, tl.exp(m - m_new), 0.0)  # an empty split (m = -inf) weighs nothing
-        acc = acc * keep + tl.sum(vals * w[:, None], axis=0)
-        total = total * keep + tl.sum(den * w, axis=0)
-        m_all = m_new
+    ok = sp < n_splits
+    m = tl.load(ws + sp * (HEAD_DIM + 2) + HEAD_DIM, mask=ok, other=-float("inf"))
+    den = tl.load(ws + sp * (HEAD_DIM + 2) + HEAD_DIM + 1, mask=ok, other=0.0)
+    acc = tl.load(ws + sp[:, None] * (HEAD_DIM + 2) + d[None, :], mask=ok[:, None], other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(den > 0, tl.exp(m - m_all), 0.0)  # empty splits (m = -inf) weigh nothing
+    total = tl.sum(den * w, axis=0)
     # A padding row has no split with weight: its output is zeros, not 0/0.
-    out = tl.where(total > 0, acc / total, 0.0)
+    out = tl.where(total > 0, tl.sum(acc * w[:, None], axis=0) / total, 0.0)
     tl.store(out_ptr + b * stride_out + h * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _combine_kernel(ws_ptr, out_ptr, stride_out, n_heads, n_splits, HEAD_DIM: tl.constexpr,
-                    RELEASE: tl.constexpr):  # fmt: skip
-    """Program (b, h): `_merge` as a second launch (more rows x heads than counters)."""
-    pdl_release(RELEASE)  # the dense matmul after it may launch (launch.py's PDL)
-    _merge(ws_ptr, out_ptr, stride_out, tl.program_id(0), tl.program_id(1), n_heads, n_splits,
-           HEAD_DIM, MERGE_SPLITS)  # fmt: skip
 
 
 def decode_attention(
@@ -232,21 +200,17 @@ def decode_attention(
     if out is None:
         out = torch.empty((B, heads * head_dim), dtype=qkv.dtype, device=qkv.device)
     ks, vs = scales if scales is not None else (k_cache, v_cache)  # (unread without QUANT)
-    merge = B * heads <= COUNTERS  # the last split merges: one launch, not two
-    counters = device_scratch(qkv.device)[1]
-    release = pdl(qkv.device)
     _decode_attention_kernel[(B, heads, n_splits)](
-        qkv, k_cache, v_cache, ks, vs, ws, slot_ids, positions, valid_from, slopes, tables, out,
-        counters,
+        qkv, k_cache, v_cache, ks, vs, ws, slot_ids, positions, valid_from, slopes, tables,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        *_scale_strides(scales), tables.stride(0), out.stride(0), head_dim**-0.5, heads, n_splits,
+        *_scale_strides(scales), tables.stride(0), head_dim**-0.5, heads, n_splits,
         HEAD_DIM=head_dim, BLOCK_L=block_l, BLOCK_SIZE=block_size, QUANT=scales is not None,
-        MERGE=merge, RELEASE=release,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    if not merge:
-        _combine_kernel[(B, heads)](ws, out, out.stride(0), heads, n_splits, HEAD_DIM=head_dim,
-                                    RELEASE=release, num_warps=2)  # fmt: skip
+    _combine_kernel[(B, heads)](
+        ws, out, out.stride(0), heads, n_splits,
+        HEAD_DIM=head_dim, SPLITS_P2=triton.next_power_of_2(n_splits), num_warps=2,
+    )  # fmt: skip
     return out
 
 
@@ -259,17 +223,16 @@ CHUNK_M, CHUNK_N, CHUNK_WARPS, CHUNK_STAGES = CHUNK_TILE, 64, 4, 2
 def _store_kv_kernel(qkv_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, seq_ptr, pos_ptr, table_ptr,
                      out_ptr, stride_qkv, stride_cs, stride_ch, stride_cl, stride_ss, stride_sh,
                      stride_t, stride_out, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     QUANT: tl.constexpr, ZERO_OUT: tl.constexpr):  # fmt: skip
+                     QUANT: tl.constexpr):  # fmt: skip
     """Program (t, h): token t's key and value of head h into its row's block (row -1: none;
-    ZERO_OUT: its attention output's head is zeros instead, which no attention kernel writes)."""
+    its attention output's head is zeros instead, which no attention kernel writes)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     seq = tl.load(seq_ptr + t)
     d = tl.arange(0, HEAD_DIM)
     if seq < 0:
-        if ZERO_OUT:
-            o = out_ptr + t.to(tl.int64) * stride_out + h * HEAD_DIM + d
-            tl.store(o, tl.zeros((HEAD_DIM,), dtype=out_ptr.dtype.element_ty))
+        o = out_ptr + t.to(tl.int64) * stride_out + h * HEAD_DIM + d
+        tl.store(o, tl.zeros((HEAD_DIM,), dtype=out_ptr.dtype.element_ty))
         return
     pos = tl.load(pos_ptr + t)
     blk = tl.load(table_ptr + seq.to(tl.int64) * stride_t + pos // BLOCK_SIZE).to(tl.int64)
@@ -296,7 +259,7 @@ def _chunk_attention_kernel(
     stride_qkv, stride_out, stride_cs, stride_ch, stride_cl, stride_ss, stride_sh, stride_t,
     scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr, QUANT: tl.constexpr, RELEASE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     """Program (i, h): tile i = (cache row, first token, count, first position) of the tile
     table (4, n_tiles), rows stride_tile apart; queries attend causally to keys [0, their
@@ -363,19 +326,18 @@ def _chunk_attention_kernel(
 
 
 def store_kv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: torch.Tensor,
-             positions: torch.Tensor, tables: torch.Tensor, scales=None,
-             out: torch.Tensor | None = None) -> None:  # fmt: skip
+             positions: torch.Tensor, tables: torch.Tensor, scales, out: torch.Tensor
+             ) -> None:  # fmt: skip
     """Every token's key and value (qkv row t: cache row seq[t], position positions[t]);
-    with `scales` (an int8 cache's), quantized with a scale per token and head; with `out` (the
-    step's attention output, N x heads * head_dim), zeros in the rows of tokens of row -1."""
+    with `scales` (an int8 cache's), quantized with a scale per token and head; zeros in the
+    rows of `out` (the step's attention output, N x heads * head_dim) of tokens of row -1."""
     heads, block_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     ks, vs = scales if scales is not None else (k_cache, v_cache)
     _store_kv_kernel[(qkv.shape[0], heads)](
-        qkv, k_cache, v_cache, ks, vs, seq, positions, tables, out if out is not None else qkv,
+        qkv, k_cache, v_cache, ks, vs, seq, positions, tables, out,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        *_scale_strides(scales), tables.stride(0), out.stride(0) if out is not None else 0,
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, QUANT=scales is not None,
-        ZERO_OUT=out is not None, num_warps=1,
+        *_scale_strides(scales), tables.stride(0), out.stride(0),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, QUANT=scales is not None, num_warps=1,
     )  # fmt: skip
 
 
@@ -395,6 +357,6 @@ def chunk_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         qkv.stride(0), out.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *_scale_strides(scales), tables.stride(0), head_dim**-0.5,
         HEAD_DIM=head_dim, BLOCK_M=CHUNK_M, BLOCK_N=CHUNK_N, BLOCK_SIZE=block_size,
-        IEEE=qkv.dtype == torch.float32, QUANT=scales is not None, RELEASE=pdl(qkv.device),
-        num_warps=CHUNK_WARPS, num_stages=CHUNK_STAGES,
+        IEEE=qkv.dtype == torch.float32, QUANT=scales is not None, num_warps=CHUNK_WARPS,
+        num_stages=CHUNK_STAGES,
     )  # fmt: skip
