@@ -33,7 +33,6 @@ LAZY: dict[str, tuple[str, str]] = {
     "mpinfer.model.kernels.w8a16_tma": ("", "the int8 matmul's warp-specialized loop on a GPU"),
     "mpinfer.model.kernels.w4a16": ("", "the int4 matmul on a GPU"),
     "mpinfer.model.kernels.w4a16_convert": ("", "the int4 matmul's conversions (w4a16.py's)"),
-    "mpinfer.model.kernels.w4a16_tma": ("", "the int4 matmul's warp-specialized loop on a GPU"),
     "mpinfer.model.kernels.dequant": ("", "the matmuls of more than 256 rows on a GPU"),
     "mpinfer.model.kernels.launch": ("", "the matmuls' shared epilogue on a GPU"),
     "mpinfer.model.kernels.attention": ("", "the decode attention on a GPU"),

@@ -50,8 +50,6 @@
 #             re-tuned, then the shipped table against the re-tuned one (bloom-7b1, BLOOM-176B)
 #   r13-tma   int8's warp-specialized loop: its family test, the tiled launches re-tuned, the
 #             matmul table (the re-tuned table is left in $RES and /tmp)
-#   r14-int4  int4's warp-specialized loop: its family test, the tiled int4 launches re-tuned
-#             with it, the int4 matmul table, the int4 unique mix (shipped table vs re-tuned)
 #   r13-mix   after r13-tma: the unique mix in-process, the shipped table against the re-tuned
 #   r15-fewrow  the few-row tma loop: family test, 32/64-row int8 launches re-tuned, the matmul
 #             table, the unique mix A/B (then r9-serve on the same machine serves its table)
@@ -285,27 +283,6 @@ r13-mix)  # after r13-tma on the same machine: the unique mix in-process (32 cli
             --quick --seconds "${SUSTAIN:-15}" "${extra[@]}" --out "$RES/mix-$arm-$SECONDS.json"
     done
     cp /tmp/r13-table.json "$table" ;;
-r14-int4)  # round 14: int4's warp-specialized loop (int4 tma configs): its GPU family test, the
-    # tiled int4 launches re-tuned with it in the sweep (MODELS4T, ROWS4), the int4 matmul
-    # table, then the int4 unique mix in-process, the shipped table (past 256 rows dequantized)
-    # against the re-tuned one with nothing dequantized up to 512 rows, alternating
-    cp "$table" /tmp/base4.json
-    MPINFER_FAMILY_ONLY=tma TAIL=6 stage gpu-tests-tma4 "${TEST_TIME:-80}" gpu_tests \
-        -k "every_config_family and dtype0-4"
-    TAIL=4 stage tune-int4-tiled "${TUNE4_TIME:-150}" bench kernels --tune "$table" --quant int4 \
-        --rows "${ROWS4:-128,256,512}" --models "${MODELS4T:-bloom-7b1}" \
-        --out "$RES/tune-int4-tiled.json"
-    cp "$table" "$RES/int4-table.json"; cp "$table" /tmp/r14-int4-table.json
-    TAIL=40 stage kernels4 "${KERNEL_TIME:-90}" bench kernels --rows "${ROWS_K:-64,128,256,512}" \
-        --quant int8,int4 --models "${MODELS_K:-bloom-7b1}" --out "$RES/kernels4.json"
-    for arm in base tuned base tuned; do
-        [ "$arm" = base ] && cp /tmp/base4.json "$table" && extra=() || \
-            { cp /tmp/r14-int4-table.json "$table"; extra=(--dequant-rows 512); }
-        TAIL=6 stage "mix4-$arm-$SECONDS" "${MIX_TIME:-90}" python3 -m mpinfer.tools.diag.mixed_step \
-            --quick --quant int4 --seconds "${SUSTAIN:-15}" "${extra[@]}" \
-            --out "$RES/mix4-$arm-$SECONDS.json"
-    done
-    cp /tmp/r14-int4-table.json "$table" ;;
 r15-fewrow)  # round 15: the warp-specialized loop over one tile of 17-64 rows: the tma family
     # test, the 32- and 64-row int8 launches re-tuned with it in the sweep (MODELS8), the matmul
     # table at 16-128 rows, then the unique mix in-process, shipped table against re-tuned,

@@ -18,7 +18,6 @@ from mpinfer.model.kernels import (  # noqa: E402
     dequant,
     tuning,
     w4a16,
-    w4a16_tma,
     w8a16,
     w8a16_tma,
 )
@@ -27,7 +26,7 @@ from mpinfer.model.quant import dequantize_int4, quantize_int4, quantize_rows  #
 # The interpreter has no CUDA device: one CPU scratch for both kernels.
 SCRATCH = (torch.zeros(tuning.WORKSPACE_BYTES // 4),
            torch.zeros(tuning.COUNTERS, dtype=torch.int32))  # fmt: skip
-for module in (w8a16, w4a16, w8a16_tma, w4a16_tma):
+for module in (w8a16, w4a16, w8a16_tma):
     module.device_scratch = lambda device: SCRATCH
 attention.sm_count = lambda index: 4  # the decode attention sizes its splits by the GPU's SMs
 
@@ -119,33 +118,6 @@ def main() -> int:
             y = w4a16.w4a16_matmul(x, p, s4, o4, b, gelu=True, residual=res, config=cfg)
             ok &= check(f"int4 sym={sym} {M} rows {cfg}", y,
                         fused(x.float() @ w.T + b.float(), True, res))  # fmt: skip
-    # int4's tma loop: N ragged against its 64 rows (a multiple of 8: its scales' copies), K of
-    # five groups; rows past M or N come in zero-filled
-    for sym in (False, True):
-        p, s4, o4 = quantize_int4(torch.randn(104, K, generator=g), 128, symmetric=sym)
-        w, b4 = dequantize_int4(p, s4, o4), torch.randn(104, generator=g).to(dt)
-        for M, cfg in [(130, "tma n64 k128 split1 pf0 magic1 w4 s3 m128"),
-                       (200, "tma n64 k128 split1 pf0 magic0 w4 s4 m64"),
-                       (130, "tma n64 k128 split4 pf0 magic1 w4 s3 m128"),  # an empty last split
-                       (200, "tma n64 k128 split2 pf0 magic0 w4 s4 m64")]:  # fmt: skip
-            x = torch.randn(M, K, generator=g).to(dt)
-            res = torch.randn(M, 104, generator=g).to(dt)
-            y = w4a16.w4a16_matmul(x, p, s4, o4, b4, gelu=True, residual=res, config=cfg)
-            ok &= check(f"int4 sym={sym} {M} rows {cfg}", y,
-                        fused(x.float() @ w.T + b4.float(), True, res))  # fmt: skip
-    # an int4 tma config on a Triton that cannot build it runs its tile in the swap loop
-    real = w4a16.w4a16_tma_matmul
-    w4a16.w4a16_tma_matmul = unbuildable
-    try:
-        x = torch.randn(130, K, generator=g).to(dt)
-        for _ in range(2):  # the second launch goes straight to the swap loop
-            y = w4a16.w4a16_matmul(x, p, s4, o4, b4, config="tma n64 k128 split1 pf0 magic1 w4 "
-                                   "s3 m128")  # fmt: skip
-            ok &= check("int4 tma unbuilt -> swap", y, x.float() @ w.T + b4.float())
-        ok &= len(w8a16_tma.TMA_UNBUILT) == 1
-    finally:
-        w4a16.w4a16_tma_matmul = real
-        w8a16_tma.TMA_UNBUILT.clear()
     # magic7, magic8 and magic9 where a group's offset is far past its range (z * sum(x) dwarfs
     # s * sum(q x): a dropped or misplaced offset term shows) and where a group is constant
     w = torch.randn(N, K, generator=g)

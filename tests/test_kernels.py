@@ -94,25 +94,3 @@ def test_the_tma_loop_compiles_warp_specialized_for_hopper():
         assert tma["warp_specialized"] and not swap["warp_specialized"], (tma, swap)
         assert not tma["stack_bytes"] and tma["loop_ops"].get("HGMMA", 0) >= 4, tma
         assert tma["loop_instructions"] < 0.8 * swap["loop_instructions"], (tma, swap)
-
-
-def test_the_int4_tma_loop_compiles_warp_specialized_for_hopper():
-    """int4's `tma` loop (w4a16_tma.py: a group's two products into one accumulator, scales and
-    offsets copied by the producer) compiled for sm_90a: warp-specialized, no spills, eight
-    wgmma a group in the consumer's loop (Triton 3.9: 324 instructions; 3.6: 338). With 128
-    weight rows Triton's partitioner fails on the two products, which `tuning.illegal` refuses;
-    a Triton where the 64-row tile stops being warp-specialized fails here."""
-    from mpinfer.model.kernels import tuning
-    from mpinfer.tools.diag.kernel_sass import loop_report
-
-    for cfg in (
-        "tma n64 k128 split1 pf0 magic1 w4 s3 m128",
-        "tma n64 k128 split1 pf0 magic0 w4 s4 m64",
-        "tma n64 k128 split3 pf0 magic1 w4 s3 m128",
-    ):
-        assert tuning.illegal(cfg, 256, 4096, 4096, "float16", bits=4, group=128) is None
-        r = loop_report(cfg, bits=4, rows=256)
-        assert r["warp_specialized"] and not r["stack_bytes"], r
-        assert r["loop_ops"].get("HGMMA", 0) >= 8, r
-    wide = "tma n128 k128 split1 pf0 magic1 w4 s3 m128"
-    assert "64 weight rows" in tuning.illegal(wide, 256, 4096, 4096, "float16", bits=4, group=128)

@@ -56,7 +56,7 @@ def test_every_sweep_config_name_round_trips():
     # int8's pair conversion is the swap loops' alone (pointer-loaded and warp-specialized),
     # and fp16's
     assert all(n.startswith(("swap", "tma")) for n in int8 if n.split()[5] == "magic6")
-    # the warp-specialized loop: int8's tiles of rows, 4 warps, no split, rows of 16 bytes
+    # the warp-specialized loop: int8's tiles of rows, 4 warps, rows of 16 bytes
     tma = [n for n in int8 if n.startswith("tma")]
     assert tma and all(tuning.parse(n)[0]["SWAP"] for n in tma)
     assert not tuning.illegal(tma[0], 200, 4096, 4096, "float16")
@@ -77,19 +77,8 @@ def test_every_sweep_config_name_round_trips():
     assert tuning.illegal(tma[0].replace("split1", "split4"), 200, 16384, 4096, "float16")
     assert tuning.illegal(tma[0].replace("split1", "split4"), 200, 4096, 128, "float16")
     assert tuning.illegal(tma[0].replace(" w4 ", " w8 "), 200, 4096, 4096, "float16")
-    # int4's: 64 weight rows, at most 128 of x, magic0 or magic1, rows of scales of 16 bytes
-    tma4 = [n for n in tuning.candidates(256, "float16", bits=4) if n.startswith("tma")]
-    legal4 = [n for n in tma4 if not tuning.illegal(n, 256, 4096, 4096, "float16", bits=4,
-                                                      group=128)]  # fmt: skip
-    assert legal4 and all(n.split()[1] == "n64" and n.split()[5] in ("magic0", "magic1")
-                          for n in legal4)  # fmt: skip
-    for bad in (dict(N=4100), dict(rows=32), dict(dtype="bfloat16")):  # magic1: fp16 only
-        args = dict(rows=256, N=4096, K=4096, dtype="float16") | bad
-        cfg = next(n for n in legal4 if "magic1" in n)
-        assert tuning.illegal(cfg, **args, bits=4, group=128), bad
-    for wrong in (" n64 ", " n128 "), (" m128", " m256"), ("magic1", "magic2"):
-        cfg = next(n for n in legal4 if "magic1" in n and " m128" in n).replace(*wrong)
-        assert tuning.illegal(cfg, 256, 4096, 4096, "float16", bits=4, group=128), wrong
+    # int4 has no tma configs (they lost every launch, round 15; `illegal` refuses one above)
+    assert not any(n.startswith("tma") for n in tuning.candidates(256, "float16", bits=4))
     assert "magic6" not in {n.split()[5] for n in bf16}
     assert {n.split()[2] for n in int4} == {"k64"}
     assert tuning.parse("swap n128 k64 split1 pf0 magic2 w8 s3 m128")[0]["BLOCK_M"] == 128

@@ -5,8 +5,8 @@ so it imports on a CPU machine. Each kernel has a pure-torch reference in quant.
 `int4_linear(x, packed, scale, offset, bias)` the group-wise W4A16 one:
 - up to the GPU's crossover (its tuned table's "dequant_rows", int4's "int4_dequant_rows";
   else DEQUANT_ROWS, 256): one Triton kernel each that reads the quantized weight once and
-  converts it in registers (w8a16.py, w4a16.py, launch.py, and on Hopper the warp-specialized
-  w8a16_tma.py, w4a16_tma.py), configured per row bucket by the GPU's tuned table or the
+  converts it in registers (w8a16.py, w4a16.py, launch.py, and on Hopper int8's
+  warp-specialized w8a16_tma.py), configured per row bucket by the GPU's tuned table or the
   default rule (tuning.py);
 - more rows (a long prefill, a step past the server's step cap): the weight is dequantized
   into a compute-dtype temporary for this one matmul (dequant.py: 1 byte read and 2 written

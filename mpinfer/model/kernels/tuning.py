@@ -107,8 +107,6 @@ INT4_FAMILIES = [
     ("dot", 128, 128, 8, 3, 0, 128), ("dot", 128, 128, 8, 3, 0, 64),
     ("swap", 128, 128, 8, 3, 0, 128), ("swap", 128, 128, 8, 3, 0, 64),
     ("swap", 256, 128, 8, 3, 0, 128),
-    # Round 14: the warp-specialized loop (w4a16_tma.py: 64 weight rows, one consumer)
-    ("tma", 64, 128, 4, 3, 0, 128), ("tma", 64, 128, 4, 2, 0, 128), ("tma", 64, 128, 4, 4, 0, 64),
 ]  # fmt: skip
 SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 INT4_SPLITS = (1, 2, 3, 4, 6, 8)
@@ -183,8 +181,6 @@ def names(families, splits, dtype: str, magic=None, *, bits: int = 8, group: int
                     continue  # the mantissa trick and packed fp16 are the one-row int4 loop's
                 if m in (6, 7) and loop not in ("swap", "tma"):
                     continue  # int8's and int4's pairs are the swap loop's fragment
-                if loop == "tma" and bits == 4 and m > 1:
-                    continue  # int4's tma loop converts with magic0 or magic1 (`illegal`)
                 if loop == "fma" and bits == 4 and s < 2 and m < 8:
                     continue  # num_stages 1 is the packed loop's; the others compile the same
                 if magic is None or m in magic:
@@ -245,13 +241,8 @@ def illegal(name_: str, rows: int, N: int, K: int, dtype: str, *, bits: int = 8,
     if kw["SWAP"] and rows == 1 and kw["MAGIC"] != 7:
         return "swap is for several rows (int4's magic7 aside)"
     if kw["TMA"]:
-        if bits == 4 and (bn != 64 or bm > 128):
-            # Triton partitions a tile between two consumers only for one product an iteration
-            return "int4's tma loop takes 64 weight rows and at most 128 of x (w4a16_tma.py)"
-        if bits == 4 and kw["MAGIC"] not in (0, 1):
-            return "int4's tma loop converts with magic0 or magic1"
-        if bits == 4 and N % 8:
-            return "int4's tma loop copies rows of scales: N a multiple of 8"
+        if bits != 8:
+            return "the tma loop is int8's (int4's lost every launch to the swap loop, round 15)"
         if bm and bucket <= SINGLE_TILE or not bm and bucket > SINGLE_TILE:
             return f"a tma config names a BLOCK_M over {SINGLE_TILE} rows, none for fewer rows"
         if bucket < TMA_MIN_BUCKET:

@@ -16,8 +16,7 @@ of the tile, and each nibble half pairs with a contiguous half of x's columns, s
 dots of G/2 with plain, coalesced loads of x (no interleave, no shuffle in registers).
 
 Loops, as in w8a16.py: `dot` (x @ w^T), `swap` (w @ x^T, the converted tile as the left
-operand) and `fma` (one row, products in an fp32 tile, reduced once after the loop); `tma`
-(Hopper, tiles of rows) is the swap loop warp-specialized, in w4a16_tma.py. MAGIC 1
+operand) and `fma` (one row, products in an fp32 tile, reduced once after the loop). MAGIC 1
 (fp16 only) converts a nibble by the bit trick (0x6400 | q is the fp16 number 1024 + q) and
 applies scale and offset in fp16, one weight at a time; MAGIC 2 does the same in packed PTX,
 eight weights from four bytes in 17 instructions with no conversion-unit work (the tensor-core
@@ -54,8 +53,6 @@ launch. The conversions themselves (the PTX and its interpreter twins) are w4a16
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import triton
 import triton.language as tl
@@ -70,8 +67,6 @@ from .w4a16_convert import (
     _word_group,
     _word_group_xs,
 )
-from .w4a16_tma import w4a16_tma_matmul
-from .w8a16_tma import try_tma
 
 
 @triton.jit(do_not_specialize=["split_k"])
@@ -338,19 +333,13 @@ def w4a16_matmul(
         assert residual.stride(1) == 1
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     kw, warps, stages, grid = launch_plan(x, N, K, config, bits=4, group=group)
-    scale, offset = scale.contiguous(), offset.contiguous()
-    if kw.pop("TMA"):  # the warp-specialized loop (w4a16_tma.py)
-        done = try_tma(partial(w4a16_tma_matmul, x, packed, scale, offset, bias, gelu, residual,
-                               y, kw, stages, grid), x, kw, stages, 4, config)  # fmt: skip
-        if done is not None:
-            return done
-        warps = 4  # the same tile in the pointer-loaded swap loop (kw's SWAP is set)
+    kw.pop("TMA")  # int8's alone (tuning.illegal)
     ws, counters = device_scratch(x.device)
     # magic7's sums of each row of x over each group (M, K / group), fp32
     xs = (torch.sum(x.view(M, K // group, group), dim=2, dtype=torch.float32)
           if kw["MAGIC"] in (7, 9) else ws)  # fmt: skip
     _w4a16[grid](
-        x, packed, scale, offset,
+        x, packed, scale.contiguous(), offset.contiguous(),
         bias if bias is not None else y, residual if residual is not None else y, y, ws, counters,
         xs,
         M, N, K, x.stride(0), y.stride(0), residual.stride(0) if residual is not None else 0,

@@ -48,11 +48,10 @@ def compile_config(
     """The compiled kernel (Triton's CompiledKernel) of `config` for GPUs of `arch`, fp16
     activations, a bias, no GeLU or residual, whole K tiles, for a launch of `rows` (a config
     without BLOCK_M takes the rows' bucket's tile)."""
-    from ...model.kernels import w4a16, w4a16_tma, w8a16, w8a16_tma
+    from ...model.kernels import w4a16, w8a16, w8a16_tma
 
     kw, warps, stages = tuning.parse(config)
-    kernel = ((w8a16_tma._w8a16_tma, w4a16_tma._w4a16_tma) if kw["TMA"]
-              else (w8a16._w8a16, w4a16._w4a16))[bits == 4]  # fmt: skip
+    kernel = w8a16_tma._w8a16_tma if kw["TMA"] else (w8a16._w8a16, w4a16._w4a16)[bits == 4]
     kw = dict(kw, BLOCK_M=tuning.block_m(kw, rows), BLOCK_K=kw["BLOCK_K"]
               if bits == 8 else group)  # fmt: skip
     names = list(inspect.signature(kernel.fn).parameters)
