@@ -243,7 +243,7 @@ def illegal(name_: str, rows: int, N: int, K: int, dtype: str, *, bits: int = 8,
     if kw["TMA"]:
         if bits != 8:
             return "the tma loop is int8's (int4's lost every launch to the swap loop, round 15)"
-        if bm and bucket <= SINGLE_TILE or not bm and bucket > SINGLE_TILE:
+        if (bm > 0) != (bucket > SINGLE_TILE):
             return f"a tma config names a BLOCK_M over {SINGLE_TILE} rows, none for fewer rows"
         if bucket < TMA_MIN_BUCKET:
             return f"the tma loop is for more than {TMA_MIN_BUCKET // 2} rows"
