@@ -173,7 +173,7 @@ def w8a16_matmul(
     kw, warps, stages, grid = launch_plan(x, N, K, config, bits=8)
     if kw.pop("TMA"):  # the warp-specialized loop (w8a16_tma.py)
         done = try_tma(partial(w8a16_tma_matmul, x, q, scale, bias, gelu, residual, y, kw, stages,
-                               grid), x, kw, stages, 8, config)  # fmt: skip
+                               grid), x, kw, stages, config)  # fmt: skip
         if done is not None:
             return done
         warps = 8  # the same tile in the pointer-loaded swap loop (kw's SWAP is set)

@@ -33,8 +33,8 @@ from .launch import device_scratch, finish
 from .w8a16_convert import _to_compute
 
 log = logging.getLogger("mpinfer")
-# tma kernels (bits, BLOCK_M, BLOCK_N, BLOCK_K, MAGIC, stages, split) this process's Triton could
-# not build: their launches run the same tile in the pointer-loaded swap loop
+# tma kernels (BLOCK_M, BLOCK_N, BLOCK_K, MAGIC, stages, split) this process's Triton could not
+# build: their launches run the same tile in the pointer-loaded swap loop
 TMA_UNBUILT: dict[tuple, str] = {}
 
 
@@ -61,29 +61,18 @@ def _w8a16_tma(
         w = w_desc.load([pid_n * BLOCK_N, k])  # (BLOCK_N, BLOCK_K) int8
         x = x_desc.load([pid_m * BLOCK_M, k])  # (BLOCK_M, BLOCK_K)
         acc_t = tl.dot(_to_compute(w, cdt, MAGIC), tl.trans(x), acc_t)  # (BLOCK_N, BLOCK_M)
-    tma_epilogue(acc_t, M, N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, stride_ym, stride_rm, BLOCK_M,
-                 BLOCK_N, True, HAS_BIAS, ACT, HAS_RES, SPLIT)  # fmt: skip
-
-
-@triton.jit
-def tma_epilogue(acc_t, M, N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, stride_ym, stride_rm,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
-                 SPLIT: tl.constexpr):  # fmt: skip
-    """A `tma` program's output tile from its transposed sums acc_t (BLOCK_N, BLOCK_M): the
-    scale (int8's) and bias as vectors, rows of y stored whole; SPLIT: the split's partial sums
-    to the workspace instead (`split_finish` adds them and applies this)."""
+    # the output tile y (BLOCK_M, BLOCK_N): the scale and bias as vectors, rows stored whole;
+    # SPLIT: the split's partial sums to the workspace instead (`split_finish` adds them)
     y = tl.trans(acc_t)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
     mask = (offs_m[:, None] < M) & n_ok[None, :]
     if SPLIT:
         tl.store(ws_ptr + tl.program_id(2) * M * N + offs_m[:, None] * N + offs_n[None, :], y,
                  mask=mask)  # fmt: skip
     else:
-        if HAS_SCALE:
-            y = y * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+        y = y * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
         if HAS_BIAS:
             y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if ACT:  # tanh GeLU as launch.finish has it
@@ -98,13 +87,6 @@ def tma_epilogue(acc_t, M, N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, stride_ym, str
 def w8a16_tma_matmul(x, q, scale, bias, gelu, residual, y, kw, stages, grid) -> torch.Tensor:
     """Launch a `tma` config (w8a16_matmul's arguments, its launch plan; 4 warps)."""
     assert q.data_ptr() % 16 == 0 and x.shape[1] % 16 == 0, "tma: weight rows not 16-byte aligned"
-    return launch_tma(_w8a16_tma, x, (q, scale), scale, bias, gelu, residual, y, kw, stages, grid)
-
-
-def launch_tma(kernel, x, weights, scale, bias, gelu, residual, y, kw, stages, grid, *,
-               has_scale: bool = True) -> torch.Tensor:  # fmt: skip
-    """Launch a `tma` kernel (int8's or int4's; `weights`: its operands between x and the bias)
-    and, for a split config, `split_finish` (has_scale: int8's per-row scale, applied there)."""
     M, K = x.shape
     N = y.shape[1]
     if x.data_ptr() % 16 or x.stride(0) % 8:  # copies need 16-byte aligned bases and rows
@@ -112,15 +94,15 @@ def launch_tma(kernel, x, weights, scale, bias, gelu, residual, y, kw, stages, g
     descriptor_scratch(x.device)
     ws = device_scratch(x.device)[0]
     split = kw["split_k"]
-    kernel[grid](
-        x, *weights, bias if bias is not None else y, residual if residual is not None else y, y,
+    _w8a16_tma[grid](
+        x, q, scale, bias if bias is not None else y, residual if residual is not None else y, y,
         ws, M, N, K, x.stride(0), y.stride(0), residual.stride(0) if residual is not None else 0,
         split, BLOCK_M=kw["BLOCK_M"], BLOCK_N=kw["BLOCK_N"], BLOCK_K=kw["BLOCK_K"],
         STAGES=stages, HAS_BIAS=bias is not None, ACT=gelu, HAS_RES=residual is not None,
         MAGIC=kw["MAGIC"], SPLIT=split > 1, num_warps=4, num_stages=stages,
     )  # fmt: skip
     if split > 1:
-        split_finish(ws, split, scale, bias, gelu, residual, y, has_scale=has_scale)
+        split_finish(ws, split, scale, bias, gelu, residual, y)
     return y
 
 
@@ -135,7 +117,7 @@ def split_bounds(K, BLOCK_K: tl.constexpr, split_k):
 
 @triton.jit
 def _split_finish(ws_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M, N, split_k, stride_ym, stride_rm,
-                  BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
                   ACT: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
@@ -145,29 +127,28 @@ def _split_finish(ws_ptr, s_ptr, b_ptr, r_ptr, y_ptr, M, N, split_k, stride_ym, 
     for i in range(split_k):  # in split order: the same sum every time
         acc += tl.load(ws_ptr + i * M * N + offs, mask=ok, other=0.0)
     finish(acc, ok, n, m * stride_ym + n, m * stride_rm + n, s_ptr, b_ptr, r_ptr, y_ptr,
-           HAS_SCALE, HAS_BIAS, ACT, HAS_RES)  # fmt: skip
+           True, HAS_BIAS, ACT, HAS_RES)  # fmt: skip
 
 
-def split_finish(ws, split, scale, bias, gelu, residual, y, *, has_scale: bool = True) -> None:
+def split_finish(ws, split, scale, bias, gelu, residual, y) -> None:
     """The second launch of a split `tma` config: the splits' partial sums (ws, split x M x N
-    fp32) added in order, then the epilogue (int8's per-row scale where has_scale), into y."""
+    fp32) added in order, then the epilogue, into y."""
     M, N = y.shape
     BLOCK = 1024
     _split_finish[(triton.cdiv(M * N, BLOCK),)](
         ws, scale, bias if bias is not None else y, residual if residual is not None else y, y,
         M, N, split, y.stride(0), residual.stride(0) if residual is not None else 0,
-        BLOCK=BLOCK, HAS_SCALE=has_scale, HAS_BIAS=bias is not None, ACT=gelu,
+        BLOCK=BLOCK, HAS_BIAS=bias is not None, ACT=gelu,
         HAS_RES=residual is not None, num_warps=4,
     )  # fmt: skip
 
 
-def try_tma(launch, x: torch.Tensor, kw: dict, stages: int, bits: int, config: str | None):
+def try_tma(launch, x: torch.Tensor, kw: dict, stages: int, config: str | None):
     """launch() (a `tma` config's kernel) -> its output; None where this Triton cannot build the
     family (recorded in TMA_UNBUILT with a warning, once): the caller then runs the tile in its
     pointer-loaded swap loop. Out of memory, and any failure inside a CUDA graph capture (the
     launch ran eagerly first), are raised."""
-    family = (bits, kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["MAGIC"], stages,
-              kw["split_k"] > 1)  # fmt: skip
+    family = (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["MAGIC"], stages, kw["split_k"] > 1)
     if family in TMA_UNBUILT:
         return None
     try:
