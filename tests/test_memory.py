@@ -282,6 +282,40 @@ def test_auto_embeddings_are_int8_where_the_offload_plan_gains_by_them():
     assert kinds["word_embeddings.weight"] == ""
 
 
+def test_a_small_model_whose_sampler_outweighs_its_blocks_is_planned_not_refused():
+    """bloom-560m with 64 slots: its 24 blocks are 12 MiB each, its sampler's pass over 66 rows
+    of a 250,880-token vocabulary about 1 GiB. Offloaded, a model samples 16 rows a pass and
+    steps eagerly (no graphs), so the offload plan counts that, not the resident model's
+    sampler: just under the resident need it offloads a few blocks (it was refused as "does not
+    fit even with every block in host memory"), and where only int8 embeddings fit at all,
+    "auto" chooses them instead of refusing with them as a hint. The returned config, planned
+    again, fits its budget."""
+    from mpinfer.model.offloadplan import plan_for_throughput, plan_offload, with_offload
+
+    mib = 2**20
+    small = shape_of("bloom-560m")
+    sets = ['quant.method="int8"', "server.max_batch_slots=64"]
+    resident = plan_memory(small, load_config(None, [*sets, 'quant.embeddings="int8"']),
+                           tp_size=1, budget=0).one_slot  # fmt: skip
+    kw = dict(tp_size=1, host_bytes=100 * 2**30, host_gbps=55.0, gpu_tbps=4.3, gpu_tflops=788.0)
+    for budget, embeddings in ((resident - 64 * mib, "none"), (2100 * mib, "auto")):
+        cfg = load_config(None, [*sets, f'quant.embeddings="{embeddings}"'])
+        if embeddings == "none":
+            off = plan_offload(small, cfg, tp_size=1, budget=budget)
+            assert off is not None and len(off.offloaded) < small.n_layer
+        else:
+            with pytest.raises(ValueError, match="every block in host memory"):
+                plan_offload(small, cfg, tp_size=1, budget=budget)
+        got, fast = plan_for_throughput(small, cfg, budget=budget, **kw)
+        assert fast is not None and fast.rows >= 16, fast
+        assert got.quant.embeddings == ("int8" if embeddings == "auto" else "none")
+        again = with_offload(plan_memory(small, got, tp_size=1, budget=budget),
+                             plan_offload(small, got, tp_size=1, budget=budget))  # fmt: skip
+        assert again.fits and again.fixed + again.kv_tokens * again.kv_bytes_per_token <= budget
+    with pytest.raises(ValueError, match="every block in host memory"):
+        plan_for_throughput(small, load_config(None, sets), budget=1500 * mib, **kw)
+
+
 def parse(cfg):
     from mpinfer.config import parse_bytes
 

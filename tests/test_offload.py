@@ -14,7 +14,7 @@ import pytest
 
 from mpinfer.config import load_config
 from mpinfer.model.memory import GIB, plan_memory
-from mpinfer.model.offloadplan import check_fits, plan_offload, spread
+from mpinfer.model.offloadplan import check_fits, offloaded_one_slot, plan_offload, spread
 from mpinfer.tools.randmodel import SHAPES
 
 from .conftest import ENV, ROOT
@@ -112,8 +112,8 @@ def test_tp2_with_blocks_in_host_memory_equals_it_without(deep):
 
     shape = BloomShape.from_config(json.loads((deep["hf"] / "config.json").read_text()))
     cfg = load_config(None, ['quant.method="int8"', "model.offload_depth=1"])
-    full = plan_memory(shape, cfg, tp_size=2, budget=0)
-    budget = full.one_slot - 3 * block_bytes(shape, cfg, 2) + 1  # 3 blocks over, and the ring
+    need = offloaded_one_slot(shape, cfg, tp_size=2)
+    budget = need - 3 * block_bytes(shape, cfg, 2) + 1  # 3 blocks over, and the ring
     plain, _ = generate(deep["hf"], nproc=2)
     offloaded, proc = generate(deep["hf"], "model.offload_depth=1", nproc=2,
                                gpu_mem=str(budget))  # fmt: skip
@@ -136,7 +136,7 @@ def test_the_planner_offloads_as_few_blocks_as_the_budget_needs(monkeypatch):
     n = len(off.offloaded)
     assert off.offloaded == tuple(spread(n, 70)) and off.depth == 2
     # One block fewer would not leave room for one max_seq_len sequence beside the ring.
-    need = full.one_slot - (n - off.depth) * off.block_bytes
+    need = offloaded_one_slot(shape, cfg, tp_size=1) - (n - off.depth) * off.block_bytes
     assert need <= budget < need + off.block_bytes
     plan = check_fits(shape, cfg, tp_size=1, device=_FakeGpu(budget))
     assert plan.offload == off and plan.fits
@@ -205,10 +205,10 @@ def test_the_offload_benchmark_checks_its_logits_on_a_cpu(monkeypatch):
     shape = dataclasses.replace(SHAPES["tiny"], n_layer=LAYERS)
     monkeypatch.setitem(randmodel.SHAPES, "tiny6", shape)
     cfg = offloadbench.bench_config(8, False)
-    full = plan_memory(shape, cfg, tp_size=1, budget=0)
     blk = block_bytes(shape, cfg, 1)
     # Two blocks too many (2 + a ring of 2 offloaded) beside one row of 8 + 16 tokens of KV.
-    budget = full.one_slot - 2 * blk + 24 * offloadbench.kv_token_bytes(shape, False)
+    kv = 24 * offloadbench.kv_token_bytes(shape, False)
+    budget = offloaded_one_slot(shape, cfg, tp_size=1) - 2 * blk + kv
     a = argparse.Namespace(shape="tiny6", gpu_mem=str(budget), batches="1,4", context=8,
                            kv_cache_dtype="auto", kv_rows=1, no_baseline=True)  # fmt: skip
     r = offloadbench.run_offload(a)

@@ -119,10 +119,10 @@ def plan_offload(shape: BloomShape, cfg: RunConfig, *, tp_size: int,
     else:
         if plan.fits or cfg.quant.method == "llm.int8":
             return None
-        over = plan.one_slot - budget  # what has to leave the GPU, plus the ring it needs
-        n = -(-over // blk) + depth
+        need = offloaded_one_slot(shape, cfg, tp_size=tp_size)
+        n = max(1, -(-(need - budget) // blk)) + depth  # what has to leave, and the ring
         if n > shape.n_layer:
-            least = plan.one_slot - shape.n_layer * blk + depth * blk
+            least = need - shape.n_layer * blk + depth * blk
             raise ValueError(
                 f"does not fit even with every block in host memory: needs {least / GIB:.2f} GiB "
                 f"per GPU (embeddings, workspace, {depth} blocks in flight of "
@@ -130,6 +130,15 @@ def plan_offload(shape: BloomShape, cfg: RunConfig, *, tp_size: int,
                 f"{budget / GIB:.2f} GiB; {fit_hints(shape, cfg, tp_size, budget, least)}"
             )
     return OffloadPlan(tuple(spread(n, shape.n_layer)), min(depth, n), blk, plan.weights, flops)
+
+
+def offloaded_one_slot(shape: BloomShape, cfg: RunConfig, *, tp_size: int) -> int:
+    """Bytes per GPU for the whole model and one max_seq_len sequence, counted as a model with
+    blocks in host memory runs: its sampler passes over fewer rows and its steps are eager (no
+    graphs), which for a small model with a large vocabulary is most of what it needs."""
+    off_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, offload_blocks=1))
+    plan = plan_memory(shape, off_cfg, tp_size=tp_size, budget=0)
+    return plan.one_slot - plan.items.get("step graphs", 0)
 
 
 def fit_hints(shape: BloomShape, cfg: RunConfig, tp_size: int, budget: int, least: int) -> str:
@@ -252,14 +261,24 @@ def plan_for_throughput(shape: BloomShape, cfg: RunConfig, *, tp_size: int, budg
     budget gets int8 embeddings and LM head where they make it fit with every block on the GPU,
     or where the plan with them predicts at least EMBEDDINGS_GAIN more tokens/s (bloom-7b1 at
     6 GiB: the fp16 embedding is 1.9 GiB of the budget, int8 halves it, and the KV cache gets
-    the rest: 106 rows a step instead of 75); otherwise they stay in the compute dtype. The
-    returned config names the choice; a config that names quant.embeddings keeps it."""
+    the rest: 106 rows a step instead of 75), or where nothing else fits at all; otherwise they
+    stay in the compute dtype. The returned config names the choice; a config that names
+    quant.embeddings keeps it."""
     if cfg.quant.embeddings != "auto" or cfg.quant.method == "llm.int8":
         return _plan_for_throughput(shape, cfg, tp_size=tp_size, budget=budget, **rates)
-    plans = {}
+    plans, refused = {}, None
     for emb in ("none", "int8"):
         trial = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, embeddings=emb))
-        plans[emb] = _plan_for_throughput(shape, trial, tp_size=tp_size, budget=budget, **rates)
+        try:
+            plans[emb] = _plan_for_throughput(shape, trial, tp_size=tp_size, budget=budget,
+                                              **rates)  # fmt: skip
+        except ValueError as e:  # too big even with every block in host memory
+            refused = refused or e
+            plans[emb] = None
+    if plans["int8"] is None:
+        raise refused
+    if plans["none"] is None:  # only int8 embeddings fit at all
+        return plans["int8"]
     (plain, slow), (small, fast) = plans["none"], plans["int8"]
     if slow is None:  # fits as it is (or cannot be planned): nothing to decide
         return cfg, None
