@@ -15,6 +15,7 @@ def _name_sets():
     return [
         tuning.names(tuning.SWEEP_FAMILIES, tuning.SWEEP_SPLITS, "float16"),
         tuning.names(tuning.TILED_FAMILIES, tuning.TILED_SPLITS, "float16"),
+        tuning.names(tuning.FEW_ROW_TMA, tuning.TILED_SPLITS, "float16"),
         tuning.names(tuning.INT4_FAMILIES, tuning.SWEEP_SPLITS, "float16", bits=4),
     ]
 
