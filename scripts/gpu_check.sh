@@ -55,8 +55,8 @@
 #             table, the unique mix A/B (then r9-serve on the same machine serves its table)
 #   ab-old    this tree's code against an older tree's (.ab/old, carried), same table: decode
 #             steps and the unique mix, alternating
-#   r16-attn  the decode attention over mixed histories by split count, the unique mix with
-#             more attention programs an SM (ATTN_PROGRAMS) against the shipped 8, budget tests
+#   r16-attn  the decode attention over mixed histories by split count, the unique mix with the
+#             attention's splits before round 16 against now (MPINFER_ATTN_MIN_SPLITS), budget tests
 #   rank-fit  one card of the 176B 8x24 GB configs (int8, int4) on one GPU: a simulated tp-8
 #             rank started under 24,564 MiB, its stages and KV pool against the plan, a burst
 #   ncu       Nsight Compute's counters of single matmul launches (NCU_RUNS, diag.matmul_profile)
@@ -304,14 +304,14 @@ r15-fewrow)  # round 15: the warp-specialized loop over one tile of 17-64 rows: 
     done
     cp /tmp/r15-table.json "$table"; cp /tmp/r15-table.json /tmp/r9-table.json ;;
 r16-attn)  # round 16: the decode attention over the unique mix's mixed histories at every split
-    # count (kv_attention --mixed), the unique mix in-process with the shipped policy (8 programs
-    # an SM) against ATTN_PROGRAMS (default 32), alternating, then the GPU budget tests
+    # count (kv_attention --mixed), the unique mix in-process with the policy before round 16
+    # (MPINFER_ATTN_MIN_SPLITS=1) against the shipped one (8), alternating, the GPU budget tests
     TAIL=20 stage attn-mixed "${ATTN_TIME:-120}" python3 -m mpinfer.tools.diag.kv_attention \
         --mixed --out "$RES/attn-mixed.json"
-    for arm in 8 "${ATTN_PROGRAMS:-32}" 8 "${ATTN_PROGRAMS:-32}"; do
-        TAIL=3 stage "mix-attn$arm-$SECONDS" "${MIX_TIME:-50}" env MPINFER_ATTN_PROGRAMS=$arm \
+    for arm in 1 8 1 8; do
+        TAIL=3 stage "mix-split$arm-$SECONDS" "${MIX_TIME:-50}" env MPINFER_ATTN_MIN_SPLITS=$arm \
             python3 -m mpinfer.tools.diag.mixed_step --quick --seconds "${SUSTAIN:-10}" \
-            --out "$RES/mix-attn$arm-$SECONDS.json"
+            --out "$RES/mix-split$arm-$SECONDS.json"
     done
     TAIL=8 stage gpu-tests-budget "${TEST_TIME:-200}" pytest_gpu tests/test_gpu_engine.py -k budget ;;
 ab-old)  # this tree against an older one's code, same table, alternating on one machine: decode

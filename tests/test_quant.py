@@ -73,23 +73,27 @@ def test_bnb_llm_int8_is_close_to_dense_with_outliers():
 @pytest.mark.parametrize("sms", [78, 132])
 def test_attention_splits_fill_the_gpu_without_tiny_programs(sms):
     """The decode attention's programs per row and head (tuning.attention_splits): about 8 per
-    SM across batch x heads, capped by the cache's 32-key tiles and by 32, never fewer splits
-    than that allows, and fewer (longer) splits, not more, as the batch grows."""
-    from mpinfer.model.kernels.tuning import attention_splits
+    SM across batch x heads and at least ATTN_MIN_SPLITS (mixed histories even out over more,
+    shorter programs), capped by the cache's 32-key tiles and by 32, never fewer splits than
+    that allows, and fewer (longer) splits, not more, as the batch grows."""
+    from mpinfer.model.kernels.tuning import ATTN_MIN_SPLITS, attention_splits
 
+    assert ATTN_MIN_SPLITS == 8  # the shipped policy (MPINFER_ATTN_MIN_SPLITS unset)
     for heads in (14, 32, 112):
         for max_seq in (1, 64, 128, 129, 576, 2048, 4096):
             cap = max(1, min(-(-max_seq // 32), 32))
             previous = cap
             for batch in (1, 2, 5, 8, 32, 64):
                 splits = attention_splits(batch, heads, max_seq, sms)
-                assert 1 <= splits <= cap, (batch, heads, max_seq)
+                assert min(ATTN_MIN_SPLITS, cap) <= splits <= cap, (batch, heads, max_seq)
                 programs = batch * heads * splits
                 assert programs >= min(8 * sms, batch * heads * cap), (batch, heads, max_seq)
-                if splits > 1:  # never more than ~8 per SM needs
+                if splits > ATTN_MIN_SPLITS:  # never more than ~8 per SM needs
                     assert batch * heads * (splits - 1) < 8 * sms
                 assert splits <= previous
                 previous = splits
     assert attention_splits(1, 32, 2048, 132) == 32  # batch 1: capped at 32
-    assert attention_splits(32, 32, 2048, 132) == 2
+    assert attention_splits(32, 32, 2048, 132) == 8  # was 2: the floor of 8
+    assert attention_splits(64, 112, 2048, 132) == 8
+    assert attention_splits(32, 32, 128, 132) == 4  # a 128-token cache has 4 tiles
     assert attention_splits(1, 14, 576, 132) == 18  # capped by the cache's 18 tiles

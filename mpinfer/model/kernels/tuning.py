@@ -400,15 +400,20 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# Decode attention programs per SM (MPINFER_ATTN_PROGRAMS: a diagnostic switch).
-ATTN_PROGRAMS = int(os.environ.get("MPINFER_ATTN_PROGRAMS", "8"))
+# The decode attention's fewest splits a row (MPINFER_ATTN_MIN_SPLITS, a diagnostic switch:
+# 1 is the policy before round 16).
+ATTN_MIN_SPLITS = int(os.environ.get("MPINFER_ATTN_MIN_SPLITS", "8"))
 
 
 def attention_splits(batch: int, heads: int, max_seq: int, sms: int) -> int:
     """Programs per row and head of the decode attention (attention.py), which cuts each row's
     history into this many equal runs of 32-key tiles at run time: enough that batch x heads x
-    splits gives every SM about ATTN_PROGRAMS programs (batch 1 with 14 or 32 heads still fills
-    the GPU), but no more than the cache has tiles, nor than 32, past which a short history
-    leaves most programs empty and the merge grows (the attention sweep, docs/performance.md).
-    It depends only on the batch and the cache length, so a captured graph stays valid."""
-    return max(1, min(-(-ATTN_PROGRAMS * sms // (batch * heads)), -(-max_seq // 32), 32))
+    splits gives every SM about 8 programs (batch 1 with 14 or 32 heads still fills the GPU),
+    and at least ATTN_MIN_SPLITS: a step's rows have histories of every length, and the SM
+    that drew long rows' programs finishes last (on an H100 the unique mix's histories at batch
+    32 and 64 took 1.10-1.31 x longer at the old 1-3 splits than at 8: `kv_attention --mixed`).
+    No more than the cache has tiles, nor than 32, past which a short history leaves most
+    programs empty and the merge grows. It depends only on the batch and the cache length, so
+    a captured graph stays valid."""
+    fill = max(-(-8 * sms // (batch * heads)), ATTN_MIN_SPLITS)
+    return max(1, min(fill, -(-max_seq // 32), 32))
