@@ -72,10 +72,10 @@ SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
 def mixed(mod, l2: int) -> tuple[list[dict], list[list]]:
-    """Mixed histories against the split count: the policy's (tuning.attention_splits, sized
-    for equal histories) and every count in SPLITS, beside a batch of equal histories of the
-    same mean at the policy's count. In one launch wave the SM that drew the long rows' programs
-    finishes last; more, shorter programs even the SMs out."""
+    """Mixed histories against the split count: the policy's (tuning.attention_splits) and
+    every count in SPLITS, beside a batch of equal histories of the same mean at the policy's
+    count. The SM that draws the long rows' programs finishes last; more, shorter programs even
+    the SMs out."""
     from mpinfer.model.kernels.tuning import attention_splits, sm_count
 
     gen = torch.Generator().manual_seed(0)
@@ -102,29 +102,10 @@ def mixed(mod, l2: int) -> tuple[list[dict], list[list]]:
     return rows, table
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--modules", default="attention", help="kernel modules, comma-separated")
-    ap.add_argument("--mixed", action="store_true",
-                    help="mixed histories (the unique mix's) against the split count")  # fmt: skip
-    ap.add_argument("--out", default="")
-    a = ap.parse_args(argv)
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    if a.mixed:
-        mod = importlib.import_module(f"mpinfer.model.kernels.{a.modules.split(',')[0]}")
-        rows, table = mixed(mod, l2)
-        print(
-            f"{torch.cuda.get_device_name()}: decode attention (both launches) over mixed "
-            "histories by split count, us (equal: the same mean for every row)\n"
-        )
-        print(md_table(["shape", "batch", "kv", "mean", "equal", "policy", "mixed at policy",
-                        *(f"{n}" for n in SPLITS), "best", "policy / best"], table))  # fmt: skip
-        if a.out:
-            with open(a.out, "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-        return 0
+def equal(modules: list[str], l2: int) -> tuple[list[dict], list[list]]:
+    """Every module's attention over equal histories, an fp16 and an int8 cache side by side."""
     rows, table = [], []
-    for name in a.modules.split(","):
+    for name in modules:
         mod = importlib.import_module(f"mpinfer.model.kernels.{name}")
         for shape, heads in CASES:
             for batch in (1, 32, 64):
@@ -138,13 +119,34 @@ def main(argv: list[str] | None = None) -> int:
                                   f"{f['GBps']:.0f}", f"{q['us']:.1f}", f"{q['GBps']:.0f}",
                                   f"{q['us'] / f['us']:.2f}"])  # fmt: skip
                     torch.cuda.empty_cache()
-    print(f"{torch.cuda.get_device_name()}: decode attention (both launches), shuffled blocks of "
-          f"{BLOCK}, CUDA graph, cache from HBM\n")  # fmt: skip
-    print(md_table(["kernels", "shape", "batch", "context", "fp16 us", "fp16 GB/s", "int8 us",
-                    "int8 GB/s", "int8 / fp16"], table))  # fmt: skip
+    return rows, table
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--modules", default="attention", help="kernel modules, comma-separated")
+    ap.add_argument("--mixed", action="store_true",
+                    help="mixed histories (the unique mix's) against the split count")  # fmt: skip
+    ap.add_argument("--out", default="")
+    a = ap.parse_args(argv)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    gpu = torch.cuda.get_device_name()
+    if a.mixed:
+        mod = importlib.import_module(f"mpinfer.model.kernels.{a.modules.split(',')[0]}")
+        rows, table = mixed(mod, l2)
+        print(f"{gpu}: decode attention (both launches) over mixed histories by split count, us "
+              "(equal: the same mean for every row)\n")  # fmt: skip
+        print(md_table(["shape", "batch", "kv", "mean", "equal", "policy", "mixed at policy",
+                        *(f"{n}" for n in SPLITS), "best", "policy / best"], table))  # fmt: skip
+    else:
+        rows, table = equal(a.modules.split(","), l2)
+        print(f"{gpu}: decode attention (both launches), shuffled blocks of {BLOCK}, CUDA graph, "
+              "cache from HBM\n")  # fmt: skip
+        print(md_table(["kernels", "shape", "batch", "context", "fp16 us", "fp16 GB/s",
+                        "int8 us", "int8 GB/s", "int8 / fp16"], table))  # fmt: skip
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            json.dump({"gpu": gpu, "rows": rows}, f, indent=1)
     return 0
 
 
