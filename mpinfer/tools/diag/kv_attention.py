@@ -20,6 +20,7 @@ import json
 
 import torch
 
+from ...model.kernels.tuning import attention_splits, sm_count
 from ..report import graph_time_us, l2_copies, md_table
 
 CASES = [("7b1", 32), ("176b/8", 14)]
@@ -76,8 +77,6 @@ def mixed(mod, l2: int) -> tuple[list[dict], list[list]]:
     every count in SPLITS, beside a batch of equal histories of the same mean at the policy's
     count. The SM that draws the long rows' programs finishes last; more, shorter programs even
     the SMs out."""
-    from mpinfer.model.kernels.tuning import attention_splits, sm_count
-
     gen = torch.Generator().manual_seed(0)
     rows, table = [], []
     for shape, heads in CASES:
