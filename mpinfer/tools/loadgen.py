@@ -80,7 +80,9 @@ def pct(xs: list[float], q: float) -> float | None:
 
 
 class GpuSampler:
-    """GPU utilization and memory every 100 ms on a thread, while a phase runs (NVML)."""
+    """GPU utilization and memory every 100 ms on a thread, while a phase runs (NVML). The
+    memory is the whole device's, every process on it: the server may be anywhere, so its own
+    footprint is `mpinfer bench budget`'s (budgetbench.ProcessMemory)."""
 
     def __init__(self):
         try:
@@ -281,4 +283,5 @@ def phase_row(name: str, p: dict, ideal: float | None) -> list:
 
 PHASE_HEADER = ["load", "output tok/s", "steady tok/s", "/ ideal", "prefix hit rate",
                 "TTFT p50 ms", "TTFT p99 ms", "steady TTFT p99", "ITL p50 ms", "ITL p99 ms",
-                "steady ITL p99", "prompt/output", "GPU util %", "GPU GiB", "errors"]  # fmt: skip
+                "steady ITL p99", "prompt/output", "GPU util %", "device GiB (all processes)",
+                "errors"]  # fmt: skip
