@@ -282,14 +282,14 @@ def test_auto_embeddings_are_int8_where_the_offload_plan_gains_by_them():
     assert kinds["word_embeddings.weight"] == ""
 
 
-def test_a_small_model_whose_sampler_outweighs_its_blocks_is_planned_not_refused():
+def test_a_small_model_whose_sampler_outweighs_its_blocks_is_planned_not_refused(monkeypatch):
     """bloom-560m with 64 slots: its 24 blocks are 12 MiB each, its sampler's pass over 66 rows
     of a 250,880-token vocabulary about 1 GiB. Offloaded, a model samples 16 rows a pass and
     steps eagerly (no graphs), so the offload plan counts that, not the resident model's
     sampler: just under the resident need it offloads a few blocks (it was refused as "does not
     fit even with every block in host memory"), and where only int8 embeddings fit at all,
     "auto" chooses them instead of refusing with them as a hint. The returned config, planned
-    again, fits its budget."""
+    again, fits its budget; start-up's gate (check_fits) agrees."""
     from mpinfer.model.offloadplan import plan_for_throughput, plan_offload, with_offload
 
     mib = 2**20
@@ -314,6 +314,14 @@ def test_a_small_model_whose_sampler_outweighs_its_blocks_is_planned_not_refused
         assert again.fits and again.fixed + again.kv_tokens * again.kv_bytes_per_token <= budget
     with pytest.raises(ValueError, match="every block in host memory"):
         plan_for_throughput(small, load_config(None, sets), budget=1500 * mib, **kw)
+    # Start-up's gate counts the automatic offload as the offloaded model runs, too.
+    from mpinfer.model import offloadplan
+
+    budget = resident - 64 * mib
+    cfg = load_config(None, [*sets, 'quant.embeddings="int8"'])
+    monkeypatch.setattr(offloadplan, "budget_bytes", lambda *_: budget)
+    plan = offloadplan.check_fits(small, cfg, tp_size=1, device=None, host=False)
+    assert plan.fits and plan.offload is not None and plan.fixed < budget
 
 
 def parse(cfg):

@@ -212,6 +212,9 @@ def check_fits(shape: BloomShape, cfg: RunConfig, *, tp_size: int, device,
     off = plan_offload(shape, cfg, tp_size=tp_size, budget=budget)
     if host:
         check_host_memory(off)
+    if off is not None and cfg.model.offload_blocks < 0:  # counted as the offloaded model runs
+        model = dataclasses.replace(cfg.model, offload_blocks=len(off.offloaded))
+        cfg = dataclasses.replace(cfg, model=model)
     if budget is None:
         return None if off is None else with_offload(
             plan_memory(shape, cfg, tp_size=tp_size, budget=0), off)  # fmt: skip
