@@ -473,16 +473,20 @@ def test_answers_are_written_as_json_dumps_writes_them_a_slice_at_a_time():
     lists, non-string keys, Unicode, and still refuses NaN."""
     rnd = random.Random()
 
-    def value(depth):
+    def value(depth, under_long=False):
+        # One long list on a path at most: a long list of long lists is thousands of values
+        # deep in random containers, and made this test take 10-70 s.
         r = rnd.random()
         if depth > 3 or r < 0.4:
             return rnd.choice([rnd.random(), rnd.randint(-(2**62), 2**62), None, True, False,
                                -0.0, f"é\u2603\"\\{rnd.random()}"])  # fmt: skip
         if r < 0.7:
-            sizes = [0, 1, 3, api.DUMP_SLICE, api.DUMP_SLICE + 1, 3 * api.DUMP_SLICE + 7]
-            return [value(depth + 1) for _ in range(rnd.choice(sizes) if depth < 2 else 4)]
+            sizes = [0, 1, 3, 4] if under_long or depth >= 2 else [
+                0, 1, 3, api.DUMP_SLICE, api.DUMP_SLICE + 1, 3 * api.DUMP_SLICE + 7]  # fmt: skip
+            n = rnd.choice(sizes)
+            return [value(depth + 1, under_long or n > 4) for _ in range(n)]
         keys = ["a", "bé", 1, 2.5, True, None, f"k{rnd.random()}"]
-        return {rnd.choice(keys): value(depth + 1) for _ in range(rnd.randint(0, 6))}
+        return {rnd.choice(keys): value(depth + 1, under_long) for _ in range(rnd.randint(0, 6))}
 
     for _ in range(200):
         v = value(0)
