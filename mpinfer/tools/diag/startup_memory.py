@@ -17,12 +17,15 @@ NCCL's buffers aside, and the KV pool its fit gives against the plan's.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -36,7 +39,7 @@ from ...model.gpumem import process_gpu_bytes
 from ...model.memory import budget_bytes, plan_memory
 from ...startup import runtime
 from ..randmodel import build_random
-from ..tiny import make_tiny
+from ..tiny import bloom_config, train_tokenizer
 
 MIB = 2**20
 STAGES: list[dict] = []
@@ -73,8 +76,11 @@ def simulated_rank(shape: str, tp_size: int, cfg, ctx):
     in place with random weights (collectives skipped) and a tokenizer of its vocabulary."""
     kind = cfg.quant.method + (":emb8" if cfg.quant.embeddings == "int8" else "")
     model, shape_, tp = build_random(shape, kind, tp_size=tp_size)
-    tokdir = tempfile.mkdtemp()
-    make_tiny(tokdir, layers=1, hidden=64, heads=4, vocab=shape_.vocab_size, shards=1)
+    tokdir = tempfile.mkdtemp(prefix="mpinfer-tok-")
+    atexit.register(shutil.rmtree, tokdir, ignore_errors=True)
+    # the tokenizer loader reads a model directory: its config.json and tokenizer, no weights
+    (Path(tokdir) / "config.json").write_text(json.dumps(bloom_config(shape_, "float16")))
+    train_tokenizer(Path(tokdir), 8192, 0, fill_to=shape_.vocab_size)
     loaded = LoadedModel(model, shape_, tp, model.dtype, ctx.device, tokdir)
     return runtime.runner_for(loaded, cfg, ctx)
 
