@@ -309,7 +309,7 @@ r16-attn)  # round 16: the decode attention over the unique mix's mixed historie
     TAIL=20 stage attn-mixed "${ATTN_TIME:-120}" python3 -m mpinfer.tools.diag.kv_attention \
         --mixed --out "$RES/attn-mixed.json"
     for arm in 1 8 1 8; do
-        TAIL=3 stage "mix-split$arm-$SECONDS" "${MIX_TIME:-50}" env MPINFER_ATTN_MIN_SPLITS=$arm \
+        TAIL=3 stage "mix-split$arm-$SECONDS" "${MIX_TIME:-70}" env MPINFER_ATTN_MIN_SPLITS=$arm \
             python3 -m mpinfer.tools.diag.mixed_step --quick --seconds "${SUSTAIN:-10}" \
             --out "$RES/mix-split$arm-$SECONDS.json"
     done
