@@ -57,6 +57,8 @@
 #             steps and the unique mix, alternating
 #   r16-attn  the decode attention over mixed histories by split count, the unique mix with the
 #             attention's splits before round 16 against now (MPINFER_ATTN_MIN_SPLITS), budget tests
+#   r17-int4-read  the one-row int4 loop against plain reads of its bytes (contiguous, its
+#             tiles), then Nsight Compute on BLOOM-176B's qkv launch
 #   rank-fit  one card of the 176B 8x24 GB configs (int8, int4) on one GPU: a simulated tp-8
 #             rank started under 24,564 MiB, its stages and KV pool against the plan, a burst
 #   ncu       Nsight Compute's counters of single matmul launches (NCU_RUNS, diag.matmul_profile)
@@ -314,6 +316,15 @@ r16-attn)  # round 16: the decode attention over the unique mix's mixed historie
             --out "$RES/mix-split$arm-$SECONDS.json"
     done
     TAIL=8 stage gpu-tests-budget "${TEST_TIME:-200}" pytest_gpu tests/test_gpu_engine.py -k budget ;;
+r17-int4-read)  # is the one-row int4 loop's gap to a plain read its access pattern or its
+    # arithmetic: the packed weights read contiguously, as the loop's tiles walk them, and by the
+    # W4A16 launch (bloom-7b1, BLOOM-176B on one GPU); then Nsight Compute on BLOOM-176B's qkv
+    TAIL=10 stage int4-read "${READ_TIME:-90}" python3 -m mpinfer.tools.diag.access_pattern --int4
+    TAIL=${NCU_TAIL:-70} stage ncu-176b-qkv "${NCU_TIME:-90}" ncu --profile-from-start off \
+        --clock-control none -k "regex:_w4a16" --section SpeedOfLight --section WarpStateStats \
+        --section MemoryWorkloadAnalysis --section Occupancy python3 -m \
+        mpinfer.tools.diag.matmul_profile --shape 43008x14336 --rows 1 --bits 4 --no-cublas \
+        "fma n64 k128 split3 pf1 magic9 w2 s3" ;;
 ab-old)  # this tree against an older one's code, same table, alternating on one machine: decode
     # steps (bloom-7b1 int8 and int4) and the unique mix in-process. The older tree: carried in
     # .ab/old (ignored by git), e.g. `mkdir -p .ab/old && git archive COMMIT mpinfer | tar -x -C

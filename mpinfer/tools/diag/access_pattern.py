@@ -5,12 +5,18 @@ bloom-7b1 and the 176B tp-8 rank, in CUDA graphs cycling through weight copies p
   run of K, and step through it BLOCK_K bytes of each row at a time: rows K bytes apart), no
   arithmetic; the best of a few tilings and splits;
 - the W8A16 matmul itself with its tuned config (bias, no other epilogue).
-python3 -m mpinfer.tools.diag.access_pattern"""
+--int4: the packed int4 weights (K / 2 bytes a row) of bloom-7b1 and BLOOM-176B on one GPU,
+the tiles as the one-row W4A16 loop walks them (64 or 128 bytes a row an iteration: one group
+of 128, or two), the W4A16 matmul with its tuned config (groups of 128).
+python3 -m mpinfer.tools.diag.access_pattern [--int4]"""
+
+import sys
 
 import torch
 import triton
 import triton.language as tl
 
+from mpinfer.model.kernels.w4a16 import w4a16_matmul
 from mpinfer.model.kernels.w8a16 import w8a16_matmul
 
 from .common import graph_us, read_chunks
@@ -35,12 +41,21 @@ def _tiles(w_ptr, out_ptr, K, split, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
 SHAPES = [("7b1 qkv", 12288, 4096), ("7b1 dense", 4096, 4096), ("7b1 fc1", 16384, 4096),
           ("7b1 fc2", 4096, 16384), ("176b/8 qkv", 5376, 14336), ("176b/8 dense", 14336, 1792),
           ("176b/8 fc1", 7168, 14336), ("176b/8 fc2", 14336, 7168)]  # fmt: skip
+INT4 = "--int4" in sys.argv[1:]
+if INT4:  # (name, N, K): K inputs, K / 2 bytes a row
+    SHAPES = [("7b1 qkv", 12288, 4096), ("7b1 fc2", 4096, 16384), ("176b qkv", 43008, 14336),
+              ("176b dense", 14336, 14336), ("176b fc1", 57344, 14336),
+              ("176b fc2", 14336, 57344)]  # fmt: skip
+TILINGS = ([(64, 64, 2), (64, 128, 2), (64, 128, 4), (64, 256, 4), (128, 128, 4), (32, 256, 4)]
+           if INT4 else [(16, 256, 4), (64, 128, 4), (64, 256, 4), (32, 256, 4)])  # fmt: skip
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 pool = torch.randint(-127, 128, (2 << 30,), dtype=torch.int8, device="cuda")
 out = torch.empty(1 << 20, dtype=torch.int32, device="cuda")
-print("| shape | MB | contiguous us | tiles us | tiling | W8A16 us | W8A16 - contiguous |")
+KIND = "W4A16" if INT4 else "W8A16"
+print(f"| shape | MB | contiguous us | tiles us | tiling | {KIND} us | {KIND} - contiguous |")
 print("|---|---|---|---|---|---|---|")
-for name, N, K in SHAPES:
+for name, N, K_in in SHAPES:
+    K = K_in // 2 if INT4 else K_in  # bytes a row
     size = N * K
     copies = max(2, min(3 * (60 << 20) // size + 1, (2 << 30) // size))
     views = [pool[i * size : (i + 1) * size] for i in range(copies)]
@@ -54,7 +69,7 @@ for name, N, K in SHAPES:
                  for v in views]  # fmt: skip
         best_c = min(best_c, graph_us(calls * reps) * size / (chunk * P))
     best_t = (float("inf"), "")
-    for bn, bk, warps in [(16, 256, 4), (64, 128, 4), (64, 256, 4), (32, 256, 4)]:
+    for bn, bk, warps in TILINGS:
         for split in (1, 2, 3, 4, 6, 8):
             programs = (N // bn) * split
             if programs < sms or K // bk < split:
@@ -65,9 +80,15 @@ for name, N, K in SHAPES:
             best_t = min(best_t, (graph_us(calls * reps), f"n{bn} k{bk} split{split}"))
     scale = torch.rand(N, device="cuda") / 100
     bias = torch.randn(N, device="cuda", dtype=torch.float16)
-    x = torch.randn(1, K, device="cuda", dtype=torch.float16)
-    calls = [lambda v=v, x=x, s=scale, b=bias, N=N, K=K: w8a16_matmul(x, v.view(N, K), s, b)
-             for v in views]  # fmt: skip
+    x = torch.randn(1, K_in, device="cuda", dtype=torch.float16)
+    if INT4:
+        s4 = torch.rand(K_in // 128, N, device="cuda", dtype=torch.float16) / 100
+        z4 = -8 * s4
+        calls = [lambda v=v, x=x, b=bias, N=N, K=K: w4a16_matmul(
+                     x, v.view(torch.uint8).view(N, K), s4, z4, b) for v in views]  # fmt: skip
+    else:
+        calls = [lambda v=v, x=x, s=scale, b=bias, N=N, K=K: w8a16_matmul(x, v.view(N, K), s, b)
+                 for v in views]  # fmt: skip
     mm = graph_us(calls * reps)
     print(f"| {name} | {size / 1e6:.0f} | {best_c:.1f} | {best_t[0]:.1f} | {best_t[1]} | "
           f"{mm:.1f} | {mm - best_c:.1f} |", flush=True)  # fmt: skip
