@@ -7,8 +7,10 @@ bloom-7b1 and the 176B tp-8 rank, in CUDA graphs cycling through weight copies p
 - the W8A16 matmul itself with its tuned config (bias, no other epilogue).
 --int4: the packed int4 weights (K / 2 bytes a row) of bloom-7b1 and BLOOM-176B on one GPU,
 the tiles as the one-row W4A16 loop walks them (64 or 128 bytes a row an iteration: one group
-of 128, or two), the W4A16 matmul with its tuned config (groups of 128).
-python3 -m mpinfer.tools.diag.access_pattern [--int4]"""
+of 128, or two), the W4A16 matmul with its tuned config (groups of 128); then, per shape, the
+one-row W4A16 launch with each config of --configs (';'-separated, "split{}" filled with 2, 3,
+4 and 6: the best of them) beside the table's.
+python3 -m mpinfer.tools.diag.access_pattern [--int4 [--configs "fma n32 ... split{} ..."]]"""
 
 import sys
 
@@ -42,6 +44,7 @@ SHAPES = [("7b1 qkv", 12288, 4096), ("7b1 dense", 4096, 4096), ("7b1 fc1", 16384
           ("7b1 fc2", 4096, 16384), ("176b/8 qkv", 5376, 14336), ("176b/8 dense", 14336, 1792),
           ("176b/8 fc1", 7168, 14336), ("176b/8 fc2", 14336, 7168)]  # fmt: skip
 INT4 = "--int4" in sys.argv[1:]
+CONFIGS = sys.argv[sys.argv.index("--configs") + 1].split(";") if "--configs" in sys.argv else []
 if INT4:  # (name, N, K): K inputs, K / 2 bytes a row
     SHAPES = [("7b1 qkv", 12288, 4096), ("7b1 fc2", 4096, 16384), ("176b qkv", 43008, 14336),
               ("176b dense", 14336, 14336), ("176b fc1", 57344, 14336),
@@ -92,3 +95,19 @@ for name, N, K_in in SHAPES:
     mm = graph_us(calls * reps)
     print(f"| {name} | {size / 1e6:.0f} | {best_c:.1f} | {best_t[0]:.1f} | {best_t[1]} | "
           f"{mm:.1f} | {mm - best_c:.1f} |", flush=True)  # fmt: skip
+    for template in CONFIGS:  # the same launch with other configs: the best split of each
+        found = []
+        for split in (2, 3, 4, 6):
+            cfg = template.format(split)
+            try:
+                calls = [lambda v=v, x=x, b=bias, N=N, K=K, c=cfg: w4a16_matmul(
+                             x, v.view(torch.uint8).view(N, K), s4, z4, b, config=c)
+                         for v in views]  # fmt: skip
+                found.append((graph_us(calls * reps), cfg))
+            except Exception as e:  # noqa: BLE001 - an illegal or failing config is reported
+                print(f"    {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        if found:
+            us, cfg = min(found)
+            print(f"    {name}: {cfg}: {us:.1f} us ({size / us / 1e6:.2f} TB/s; table's "
+                  f"{mm:.1f}, {size / mm / 1e6:.2f} TB/s; contiguous {size / best_c / 1e6:.2f})",
+                  flush=True)  # fmt: skip
