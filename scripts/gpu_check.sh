@@ -319,12 +319,9 @@ r16-attn)  # round 16: the decode attention over the unique mix's mixed historie
 r17-int4-read)  # is the one-row int4 loop's gap to a plain read its access pattern or its
     # arithmetic: the packed weights read contiguously, as the loop's tiles walk them, and by the
     # W4A16 launch (bloom-7b1, BLOOM-176B on one GPU); then Nsight Compute on BLOOM-176B's qkv
-    # and round 17's one-row configs: pf3 (four groups an iteration), the carried loop at r96
-    c="fma n64 k128 split{} pf1 magic9 w2 s3;fma n64 k128 split{} pf1 magic9 w2 s3 r96"
-    c="$c;fma n32 k128 split{} pf3 magic9 w4 s3;fma n64 k128 split{} pf3 magic9 w4 s3"
-    c="$c;fma n32 k128 split{} pf3 magic8 w4 s3;fma n64 k128 split{} pf3 magic8 w4 s1"
+    # (READ_CONFIGS: other one-row configs beside the table's, "split{}" for their splits)
     TAIL=40 stage int4-read "${READ_TIME:-120}" python3 -m mpinfer.tools.diag.access_pattern \
-        --int4 --configs "$c"
+        --int4 ${READ_CONFIGS:+--configs "$READ_CONFIGS"}
     TAIL=${NCU_TAIL:-70} stage ncu-176b-qkv "${NCU_TIME:-90}" ncu --profile-from-start off \
         --clock-control none -k "regex:_w4a16" --section SpeedOfLight --section WarpStateStats \
         --section MemoryWorkloadAnalysis --section Occupancy python3 -m \

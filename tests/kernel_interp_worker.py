@@ -106,9 +106,6 @@ def main() -> int:
                        (1, "fma n64 k128 split2 pf1 magic8 w4 s1"),
                        (1, "fma n32 k128 split3 pf1 magic9 w4 s1"),
                        (1, "fma n32 k128 split4 pf1 magic8 w4 s3"),  # an empty last split
-                       (1, "fma n32 k128 split1 pf3 magic8 w4 s3"),  # four groups, then one
-                       (1, "fma n64 k128 split2 pf3 magic9 w2 s3"),  # three of four
-                       (1, "fma n32 k128 split1 pf3 magic8 w4 s1"),
                        (5, "dot n32 k128 split2 pf0 magic1 w4 s3"),
                        (20, "swap n64 k128 split1 pf0 magic0 w4 s4"),
                        (130, "dot n64 k128 split1 pf0 magic1 w4 s3 m64"),
@@ -132,8 +129,7 @@ def main() -> int:
                    (130, "swap n64 k128 split2 pf0 magic7 w4 s3 m64"),
                    (1, "fma n32 k128 split2 pf1 magic8 w4 s3"),
                    (1, "fma n32 k128 split2 pf1 magic8 w4 s1"),
-                   (1, "fma n32 k128 split2 pf0 magic9 w4 s3"),
-                   (1, "fma n32 k128 split1 pf3 magic9 w4 s3")]:  # fmt: skip
+                   (1, "fma n32 k128 split2 pf0 magic9 w4 s3")]:  # fmt: skip
         x = torch.randn(M, K, generator=g).to(dt)
         y = w4a16.w4a16_matmul(x, p, s4, o4, None, config=cfg)
         ref = x.float() @ w.T

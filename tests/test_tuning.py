@@ -122,8 +122,6 @@ def test_a_bad_config_name_is_refused_by_name(bad):
      ("swap n64 k128 split1 pf0 magic6 w4 s4", 16, 4096, 4096, "float16", 4, "from int8 only"),
      ("swap n128 k64 split1 pf0 magic6 w8 s3 m256", 512, 4096, 4096, "float16", 8, None),
      ("dot n64 k128 split4 pf0 magic4 w4 s3", 16, 4096, 4096, "float16", 4, "one-row loop"),
-     ("fma n64 k128 split4 pf3 magic5 w4 s3", 1, 4096, 4096, "float16", 4, "packed one-row"),
-     ("fma n64 k128 split4 pf3 magic8 w2 s3", 1, 4096, 4096, "float16", 4, None),
      ("swap n64 k128 split1 pf0 magic2 w4 s4", 16, 4096, 4096, "float16", 4, "not repeatable"),
      ("dot n64 k128 split4 pf0 magic2 w4 s3", 1, 4096, 4096, "float16", 4, None),
      ("swap n128 k128 split3 pf0 magic1 w8 s3 m64", 576, 5376, 14336, "float16", 4, "workspace"),

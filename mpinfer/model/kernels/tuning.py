@@ -10,10 +10,10 @@ becomes float: 0 the conversion unit via fp32, 1 the fp16 bit trick in Triton op
 the bit trick in packed PTX, int8 only; 3-5 int4's one-row tricks, 6 int8's pairs in PTX for
 the swap loop, 7 int4's pairs of exact q for the swap loop, scale and offset per group, 8
 int4's one-row loop in packed fp16, four bytes a word, 9 the same with each group's sum of x
-from the launcher; int4's one-row loop takes 1 + PREFETCH groups an iteration), num_warps,
-num_stages, BLOCK_M (the rows a program owns; without it, the row bucket's size: 16, 32 or 64),
-and optionally "r80", the registers a thread may use (Triton's maxnreg: fewer, for more
-programs an SM).
+from the launcher),
+num_warps, num_stages, BLOCK_M (the rows a program owns; without it, the row bucket's size: 16,
+32 or 64), and optionally "r80", the registers a thread may use (Triton's maxnreg: fewer, for
+more programs an SM).
 
 Both kernels (w8a16.py, w4a16.py) cover every row count a step can have with one family of
 loops: one row, tiles of up to 64 rows, and tiles of BLOCK_M rows repeated over the rows for
@@ -41,7 +41,8 @@ import torch
 
 TABLE_DIR = Path(__file__).parent / "tuned"
 # Tuning buckets of a launch's rows: one row, row tiles of up to 16, 32 and 64 rows (one tile),
-# then 128 ... 1024 rows (tiles of BLOCK_M; more rows: the largest bucket's). All warmed at start.
+# then 128 ... 1024 rows (tiles of the config's BLOCK_M; more rows use the largest bucket's
+# config). The engine's step graphs run every bucket at start-up.
 ROW_BUCKETS = (1, 16, 32, 64, 128, 256, 512, 1024)
 SINGLE_TILE = 64  # buckets up to this many rows are one tile of rows
 # Query tokens a tile of the prompt-chunk attention kernel (kernels/attention.py; runner's chunks)
@@ -50,8 +51,9 @@ WORKSPACE_BYTES = 32 << 20  # per device: the largest split-K partials a launch 
 COUNTERS = 1 << 15  # per device: one int32 per output tile
 INT4_GROUPS = (64, 128, 256)  # quant.group_size values the int4 kernel runs (BLOCK_K = group)
 
-# The sweep: (loop, BLOCK_N, BLOCK_K, num_warps, num_stages, PREFETCH, BLOCK_M: 0 the bucket's
-# rows). Few-row families: each won a shape on the H200; tiled: Triton's Hopper matmuls' shapes.
+# The sweep behind a table: (loop, BLOCK_N, BLOCK_K, num_warps, num_stages, PREFETCH, BLOCK_M)
+# (BLOCK_M 0: the bucket's rows). The few-row families won a shape in a sweep over 10 on the
+# H200; the tiled ones are the shapes Triton's Hopper matmuls favour for 128-1024 rows.
 SWEEP_FAMILIES = [
     ("dot", 32, 256, 4, 3, 0, 0), ("dot", 64, 256, 4, 3, 0, 0), ("dot", 64, 128, 4, 3, 0, 0),
     ("swap", 64, 128, 4, 4, 0, 0), ("fma", 16, 256, 4, 3, 0, 0), ("fma", 8, 512, 4, 1, 1, 0),
@@ -95,10 +97,6 @@ INT4_FAMILIES = [
     # weights across iterations (a register pipeline), 1 does not: the families above carry,
     # these two do not (and run the packed loop alone: the other loops ignore num_stages)
     ("fma", 64, 128, 4, 1, 1, 0), ("fma", 64, 128, 2, 1, 1, 0),
-    # Round 17: the packed loop over four groups an iteration (pf3: 256 bytes a row at a time),
-    # and its carried two-group loop capped at 96 registers (10 programs an SM, not 8; no spills)
-    ("fma", 32, 128, 4, 3, 3, 0), ("fma", 64, 128, 4, 3, 3, 0), ("fma", 64, 128, 4, 1, 3, 0),
-    ("fma", 64, 128, 2, 3, 1, 0, 96),
     ("dot", 64, 128, 4, 4, 0, 0),
     ("dot", 32, 128, 4, 3, 0, 0), ("dot", 64, 128, 4, 3, 0, 0), ("swap", 64, 128, 4, 4, 0, 0),
     ("swap", 128, 128, 4, 3, 0, 0),
@@ -118,7 +116,7 @@ TILED_SPLITS = (1, 2, 3, 4)
 TILED_MAGIC = {"float16": (1, 2, 6), "bfloat16": (0, 2)}
 
 _NAME = re.compile(
-    r"(dot|swap|fma|tma) n(\d+) k(\d+) split(\d+) pf([013]) magic([0-9]) w(\d+) s(\d+)(?: m(\d+))?"
+    r"(dot|swap|fma|tma) n(\d+) k(\d+) split(\d+) pf([01]) magic([0-9]) w(\d+) s(\d+)(?: m(\d+))?"
     r"(?: r(\d+))?"
 )
 
@@ -271,14 +269,14 @@ def illegal(name_: str, rows: int, N: int, K: int, dtype: str, *, bits: int = 8,
         return "magic3-5 (fp32 weights) are for the one-row loop"
     if kw["MAGIC"] >= 8 and kw["USE_DOT"]:
         return "magic8-9 (packed fp16 products) are for the one-row loop"
-    if kw["PREFETCH"] == 3 and (kw["USE_DOT"] or kw["MAGIC"] < 8):
-        return "pf3 (four groups an iteration) is the packed one-row loop's (magic8, magic9)"
     if bits == 4 and kw["MAGIC"] == 2 and kw["USE_DOT"] and dtype != "float16":
         return "int4's magic2 makes fp16 weights: the tensor-core loops need the activations' dtype"
     if bits == 4 and kw["MAGIC"] == 2 and kw["SWAP"]:
-        # H200, Triton 3.6: swap n128 k128 split3 magic2 w8 s3 m64 gave different sums from one
-        # call to the next (5376 x 14336, 128 and 150 rows; errors to 1.5e-2 of the largest
-        # output); magic1 and the dot loop never did. Cause not found.
+        # Measured on the H200 (Triton 3.6): swap n128 k128 split3 magic2 w8 s3 m64 gave
+        # different sums from one call to the next on 5376 x 14336 at 128 and 150 rows (errors
+        # to 1.5e-2 of the largest output); magic1 and the dot loop never did. The cause was
+        # not found, so the packed conversion stays out of the loop that feeds the converted
+        # tile to the tensor cores from registers.
         return "int4's magic2 is not used in the swap loop (it was not repeatable there)"
     if bm and bucket <= SINGLE_TILE:
         return f"a BLOCK_M is for more than {SINGLE_TILE} rows"
@@ -402,7 +400,8 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# The decode attention's fewest splits a row (MPINFER_ATTN_MIN_SPLITS=1: before round 16's)
+# The decode attention's fewest splits a row (MPINFER_ATTN_MIN_SPLITS, a diagnostic switch:
+# 1 is the policy before round 16).
 ATTN_MIN_SPLITS = int(os.environ.get("MPINFER_ATTN_MIN_SPLITS", "8"))
 
 

@@ -78,8 +78,8 @@ def _w4a16(
     USE_DOT: tl.constexpr, SWAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr, MAGIC: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    # BLOCK_K is the group size; split_k cuts the groups into runs; the one-row loop takes
-    # 1 + PREFETCH groups an iteration (3: the packed loop's alone).
+    # BLOCK_K is the group size; split_k cuts the groups into runs; PREFETCH: the one-row loop
+    # takes two groups an iteration.
     HALF: tl.constexpr = BLOCK_K // 2
     pid_m = tl.program_id(0)  # row tiles fastest: they share each weight tile in L2
     pid_n = tl.program_id(1)
@@ -189,7 +189,7 @@ def _w4a16(
         )  # fmt: skip
     else:  # one row
         if MAGIC >= 8:  # in packed fp16, words of four bytes (w4a16_convert.py)
-            # GP groups an iteration (1 + PREFETCH) as one (BLOCK_N, GP, WORDS) tile: a row's
+            # GP groups an iteration (PREFETCH 1: two) as one (BLOCK_N, GP, WORDS) tile: a row's
             # GP groups are adjacent, so their words are one run of loads issued together. No masks
             # in the loop: rows past N read row N - 1 (their sums are not stored), and a split's
             # missing last group of GP reads its first again with its scale and offset zeroed.
