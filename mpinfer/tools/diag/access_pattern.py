@@ -6,8 +6,8 @@ bloom-7b1 and the 176B tp-8 rank, in CUDA graphs cycling through weight copies p
   arithmetic; the best of a few tilings and splits;
 - the W8A16 matmul itself with its tuned config (bias, no other epilogue).
 --int4: the packed int4 weights (K / 2 bytes a row) of bloom-7b1 and BLOOM-176B on one GPU,
-the tiles as the one-row W4A16 loop walks them (64 or 128 bytes a row an iteration: one group
-of 128, or two), the W4A16 matmul with its tuned config (groups of 128); then, per shape, the
+tiles of 64-256 bytes a row an iteration (the one-row W4A16 loop's are 64 or 128: one group of
+128, or two), the W4A16 matmul with its tuned config (groups of 128); then, per shape, the
 one-row W4A16 launch with each config of --configs (';'-separated, "split{}" filled with 2, 3,
 4 and 6: the best of them) beside the table's.
 python3 -m mpinfer.tools.diag.access_pattern [--int4 [--configs "fma n32 ... split{} ..."]]"""
@@ -45,6 +45,7 @@ SHAPES = [("7b1 qkv", 12288, 4096), ("7b1 dense", 4096, 4096), ("7b1 fc1", 16384
           ("176b/8 fc1", 7168, 14336), ("176b/8 fc2", 14336, 7168)]  # fmt: skip
 INT4 = "--int4" in sys.argv[1:]
 CONFIGS = sys.argv[sys.argv.index("--configs") + 1].split(";") if "--configs" in sys.argv else []
+assert INT4 or not CONFIGS, "--configs: one-row int4 configs, with --int4"
 if INT4:  # (name, N, K): K inputs, K / 2 bytes a row
     SHAPES = [("7b1 qkv", 12288, 4096), ("7b1 fc2", 4096, 16384), ("176b qkv", 43008, 14336),
               ("176b dense", 14336, 14336), ("176b fc1", 57344, 14336),
