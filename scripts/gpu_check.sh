@@ -322,11 +322,14 @@ r17-int4-read)  # is the one-row int4 loop's gap to a plain read its access patt
     # (READ_CONFIGS: other one-row configs beside the table's, "split{}" for their splits)
     TAIL=40 stage int4-read "${READ_TIME:-120}" python3 -m mpinfer.tools.diag.access_pattern \
         --int4 ${READ_CONFIGS:+--configs "$READ_CONFIGS"}
+    # (NCU_CONFIG: the config profiled; default this GPU's table's)
+    cfg=${NCU_CONFIG:-$(python3 -c "import torch; from mpinfer.model.kernels import tuning; print(
+        tuning.lookup(torch.cuda.get_device_name(), 'float16', 1, 43008, 14336, bits=4, group=128)
+        or 'fma n64 k128 split3 pf1 magic9 w2 s3')")}
     TAIL=${NCU_TAIL:-70} stage ncu-176b-qkv "${NCU_TIME:-90}" ncu --profile-from-start off \
         --clock-control none -k "regex:_w4a16" --section SpeedOfLight --section WarpStateStats \
         --section MemoryWorkloadAnalysis --section Occupancy python3 -m \
-        mpinfer.tools.diag.matmul_profile --shape 43008x14336 --rows 1 --bits 4 --no-cublas \
-        "fma n64 k128 split3 pf1 magic9 w2 s3" ;;
+        mpinfer.tools.diag.matmul_profile --shape 43008x14336 --rows 1 --bits 4 --no-cublas "$cfg" ;;
 ab-old)  # this tree against an older one's code, same table, alternating on one machine: decode
     # steps (bloom-7b1 int8 and int4) and the unique mix in-process. The older tree: carried in
     # .ab/old (ignored by git), e.g. `mkdir -p .ab/old && git archive COMMIT mpinfer | tar -x -C
