@@ -59,6 +59,8 @@
 #             attention's splits before round 16 against now (MPINFER_ATTN_MIN_SPLITS), budget tests
 #   r17-int4-read  the one-row int4 loop against plain reads of its bytes (contiguous, its
 #             tiles), then Nsight Compute on BLOOM-176B's qkv launch
+#   step-cap  the unique mix at step caps of 256, 384 and 512 tokens (ITL p99 against TTFT p99),
+#             then the decode step at batch 32, context 128
 #   rank-fit  one card of the 176B 8x24 GB configs (int8, int4) on one GPU: a simulated tp-8
 #             rank started under 24,564 MiB, its stages and KV pool against the plan, a burst
 #   ncu       Nsight Compute's counters of single matmul launches (NCU_RUNS, diag.matmul_profile)
@@ -330,6 +332,18 @@ r17-int4-read)  # is the one-row int4 loop's gap to a plain read its access patt
         --clock-control none -k "regex:_w4a16" --section SpeedOfLight --section WarpStateStats \
         --section MemoryWorkloadAnalysis --section Occupancy python3 -m \
         mpinfer.tools.diag.matmul_profile --shape 43008x14336 --rows 1 --bits 4 --no-cublas "$cfg" ;;
+step-cap)  # #44's ITL p99 against TTFT p99: the unique mix in-process with steps capped at
+    # CAPS tokens (server.max_step_tokens; default 256, 384, 512), twice each, alternating, then
+    # the decode step at batch 32 and context 128 (3 x it is #44's ITL p99 target)
+    for round in 1 2; do
+        for cap in ${CAPS:-256 384 512}; do
+            TAIL=9 stage "mix-cap$cap-$round" "${MIX_TIME:-60}" python3 -m \
+                mpinfer.tools.diag.mixed_step --quick --seconds "${SUSTAIN:-12}" \
+                --step-tokens "$cap" --out "$RES/mix-cap$cap-$round.json"
+        done
+    done
+    TAIL=4 stage step-b32 60 bench gpu --shape bloom-7b1 --rows mpinfer-int8 --batches 32 \
+        --context 128 --out "$RES/step-b32.json" ;;
 ab-old)  # this tree against an older one's code, same table, alternating on one machine: decode
     # steps (bloom-7b1 int8 and int4) and the unique mix in-process. The older tree: carried in
     # .ab/old (ignored by git), e.g. `mkdir -p .ab/old && git archive COMMIT mpinfer | tar -x -C
