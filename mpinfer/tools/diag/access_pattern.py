@@ -85,15 +85,18 @@ for name, N, K_in in SHAPES:
     scale = torch.rand(N, device="cuda") / 100
     bias = torch.randn(N, device="cuda", dtype=torch.float16)
     x = torch.randn(1, K_in, device="cuda", dtype=torch.float16)
-    if INT4:
-        s4 = torch.rand(K_in // 128, N, device="cuda", dtype=torch.float16) / 100
-        z4 = -8 * s4
-        calls = [lambda v=v, x=x, b=bias, N=N, K=K: w4a16_matmul(
-                     x, v.view(torch.uint8).view(N, K), s4, z4, b) for v in views]  # fmt: skip
-    else:
-        calls = [lambda v=v, x=x, s=scale, b=bias, N=N, K=K: w8a16_matmul(x, v.view(N, K), s, b)
-                 for v in views]  # fmt: skip
-    mm = graph_us(calls * reps)
+    s4 = torch.rand(K_in // 128, N, device="cuda", dtype=torch.float16) / 100  # int4's groups
+    z4 = -8 * s4
+
+    def matmul_us(config=None):  # the launch over every weight copy, in one graph
+        if INT4:
+            calls = [lambda v=v: w4a16_matmul(x, v.view(torch.uint8).view(N, K), s4, z4, bias,
+                                              config=config) for v in views]  # fmt: skip
+        else:
+            calls = [lambda v=v: w8a16_matmul(x, v.view(N, K), scale, bias) for v in views]
+        return graph_us(calls * reps)
+
+    mm = matmul_us()
     print(f"| {name} | {size / 1e6:.0f} | {best_c:.1f} | {best_t[0]:.1f} | {best_t[1]} | "
           f"{mm:.1f} | {mm - best_c:.1f} |", flush=True)  # fmt: skip
     for template in CONFIGS:  # the same launch with other configs: the best split of each
@@ -101,10 +104,7 @@ for name, N, K_in in SHAPES:
         for split in (2, 3, 4, 6):
             cfg = template.format(split)
             try:
-                calls = [lambda v=v, x=x, b=bias, N=N, K=K, c=cfg: w4a16_matmul(
-                             x, v.view(torch.uint8).view(N, K), s4, z4, b, config=c)
-                         for v in views]  # fmt: skip
-                found.append((graph_us(calls * reps), cfg))
+                found.append((matmul_us(cfg), cfg))
             except Exception as e:  # noqa: BLE001 - an illegal or failing config is reported
                 print(f"    {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
         if found:
