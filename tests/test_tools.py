@@ -238,3 +238,25 @@ def test_bench_budget_refuses_a_setting_without_a_name_and_value(flag, bad):
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"{flag} {bad!r}: expected NAME=VALUE" in proc.stderr, proc.stderr
+
+
+def test_bench_gpu_table_shows_a_dash_for_a_batch_it_did_not_run():
+    """`bench gpu --batches 32` times batch 32 alone: its table gives that figure and a dash for
+    the batch-1 columns (it raised KeyError before the JSON's summary was printed)."""
+    import random
+
+    from mpinfer.tools.gpubench import markdown
+
+    b32 = random.uniform(1, 9)
+    row = {"row": "mpinfer-int8", "weight_GB": 8.1, "floor_ms": 2.7, "decode_ms": {32: b32},
+           "prefill_ms": {512: 35.6, 2048: 57.0}, "prefill_TFLOPs": {2048: 434.0},
+           "peak_GB": 11.4}  # fmt: skip
+    result = {
+        "ceilings": {"copy_bandwidth_GBps": 3020.0, "bf16_matmul_TFLOPs": 783.0},
+        "machine": {"gpu": "GPU"},
+        "shape": "bloom-7b1",
+        "context": 128,
+        "rows": [row],
+    }
+    line = markdown(result).splitlines()[-1]
+    assert line.split(" | ")[3:7] == ["-", "-", f"{b32:.2f}", "-"], line

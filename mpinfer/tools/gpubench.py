@@ -306,8 +306,9 @@ def markdown(result: dict) -> str:
     rows = []
     for r in result["rows"]:
         d, p = r["decode_ms"], r["prefill_ms"]
-        rows.append([r["row"], f"{r['weight_GB']:.2f}", f"{r['floor_ms']:.2f}", f"{d[1]:.2f}",
-                     _ms(d, 8), _ms(d, 32), f"{d[1] / r['floor_ms']:.2f}", f"{p[512]:.1f}",
+        ratio = f"{d[1] / r['floor_ms']:.2f}" if 1 in d else "-"
+        rows.append([r["row"], f"{r['weight_GB']:.2f}", f"{r['floor_ms']:.2f}", _ms(d, 1),
+                     _ms(d, 8), _ms(d, 32), ratio, f"{p[512]:.1f}",
                      f"{p[2048]:.1f}", f"{r['prefill_TFLOPs'][2048]:.0f}",
                      f"{r['peak_GB']:.1f}"])  # fmt: skip
     lines = [
