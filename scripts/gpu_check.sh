@@ -337,7 +337,7 @@ step-cap)  # #44's ITL p99 against TTFT p99: the unique mix in-process with step
     # the decode step at batch 32 and context 128 (3 x it is #44's ITL p99 target)
     for round in 1 2; do
         for cap in ${CAPS:-256 384 512}; do
-            TAIL=9 stage "mix-cap$cap-$round" "${MIX_TIME:-60}" python3 -m \
+            TAIL=9 stage "mix-cap$cap-$round" "${MIX_TIME:-100}" python3 -m \
                 mpinfer.tools.diag.mixed_step --quick --seconds "${SUSTAIN:-12}" \
                 --step-tokens "$cap" --out "$RES/mix-cap$cap-$round.json"
         done
