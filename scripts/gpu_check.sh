@@ -61,6 +61,8 @@
 #             tiles), then Nsight Compute on BLOOM-176B's qkv launch
 #   step-cap  the unique mix at step caps of 256, 384 and 512 tokens (ITL p99 against TTFT p99),
 #             then the decode step at batch 32, context 128
+#   step-cap-served  the same served (`mpinfer serve`, 32 HTTP clients) per SERVED_ARMS: step
+#             cap and KV cache dtype
 #   rank-fit  one card of the 176B 8x24 GB configs (int8, int4) on one GPU: a simulated tp-8
 #             rank started under 24,564 MiB, its stages and KV pool against the plan, a burst
 #   ncu       Nsight Compute's counters of single matmul launches (NCU_RUNS, diag.matmul_profile)
@@ -341,6 +343,19 @@ step-cap)  # #44's ITL p99 against TTFT p99: the unique mix in-process with step
                 mpinfer.tools.diag.mixed_step --quick --seconds "${SUSTAIN:-12}" \
                 --step-tokens "$cap" --out "$RES/mix-cap$cap-$round.json"
         done
+    done
+    TAIL=4 stage step-b32 60 bench gpu --shape bloom-7b1 --rows mpinfer-int8 --batches 32 \
+        --context 128 --out "$RES/step-b32.json" ;;
+step-cap-served)  # the same trade served: `mpinfer serve` (the 24 GiB server, 64 slots) under the
+    # unique mix at 32 HTTP clients, per arm of SERVED_ARMS (';'-separated `--set` lists), then
+    # the batch-32 context-128 step
+    IFS=';' read -ra arms <<< "${SERVED_ARMS:-max_step_tokens=256 kv_cache_dtype=int8;\
+max_step_tokens=512;max_step_tokens=256}"
+    for i in "${!arms[@]}"; do
+        sets=(); for kv in ${arms[$i]}; do sets+=(--set "server.$kv"); done
+        echo "arm $i: ${arms[$i]}"
+        TAIL=6 stage "served-arm$i" 150 bench budget --workdir /tmp/mb --budgets 24GiB-u32 \
+            --seconds "${SUSTAIN:-20}" "${sets[@]}" --out "$RES/served-arm$i.json"
     done
     TAIL=4 stage step-b32 60 bench gpu --shape bloom-7b1 --rows mpinfer-int8 --batches 32 \
         --context 128 --out "$RES/step-b32.json" ;;
