@@ -94,3 +94,19 @@ def test_the_tma_loop_compiles_warp_specialized_for_hopper():
         assert tma["warp_specialized"] and not swap["warp_specialized"], (tma, swap)
         assert not tma["stack_bytes"] and tma["loop_ops"].get("HGMMA", 0) >= 4, tma
         assert tma["loop_instructions"] < 0.8 * swap["loop_instructions"], (tma, swap)
+
+
+def test_the_int8_cache_attention_converts_without_the_conversion_unit():
+    """The decode attention over an int8 cache, compiled for sm_90a: its loop turns bytes into
+    fp32 with byte permutes (w8a16's packed conversion, one PRMT a value), not the conversion
+    unit's I2F, which Hopper runs at 16 values a clock per SM and which bound the loop before
+    round 9; no spills; about the fp16 cache's instructions a tile (Triton 3.9: 908 against 860;
+    3.6: 911 against 864), half its bytes."""
+    from mpinfer.tools.diag.kernel_sass import _report, compile_attention
+
+    fp16, int8 = (_report(compile_attention(q), "") for q in (False, True))
+    ops = int8["loop_ops"]
+    # (a few I2F remain: the ALiBi bias's key positions; the bytes through I2F were 128 a tile)
+    assert ops.get("I2F", 0) <= 8 and ops.get("PRMT", 0) >= 128, int8
+    assert not ops.get("LDL") and not ops.get("STL") and not int8["stack_bytes"], int8
+    assert int8["loop_instructions"] <= 1.2 * fp16["loop_instructions"], (fp16, int8)

@@ -2,6 +2,7 @@
 
     python -m mpinfer.tools.diag.kernel_sass "swap n128 k64 split1 pf0 magic6 w8 s3 m256" \
         [--bits 8] [--arch 90]
+    python -m mpinfer.tools.diag.kernel_sass --attention fp16 int8   (the decode attention's)
 
 Triton compiles the kernel for the target (default sm_90a: the H100 and H200) with its pointers
 and strides specialized as a real launch specializes them (16-byte aligned, multiples of 16:
@@ -97,7 +98,33 @@ def loop_report(
     config: str, *, bits: int = 8, arch: int = 90, rows: int = tuning.SINGLE_TILE
 ) -> dict:
     """Registers, spill bytes, shared memory, and the opcodes of the tensor-core loop."""
-    compiled = compile_config(config, bits=bits, arch=arch, rows=rows)
+    return _report(compile_config(config, bits=bits, arch=arch, rows=rows), config)
+
+
+def compile_attention(quant: bool, dtype: str = "fp16", *, arch: int = 90,
+                      block_l: int = 32, warps: int = 2):  # fmt: skip
+    """The decode attention's first kernel (kernels/attention.py) for BLOOM's head_dim 128 over
+    16-token blocks: an fp16/bf16 cache (`dtype`) or an int8 one (`quant`)."""
+    from ...model.kernels import attention
+
+    kernel = attention._decode_attention_kernel
+    names = list(inspect.signature(kernel.fn).parameters)
+    fixed = dict(HEAD_DIM=128, BLOCK_L=block_l, BLOCK_SIZE=16, QUANT=quant)
+    cache = "*i8" if quant else f"*{dtype}"
+    types = dict(qkv_ptr=f"*{dtype}", k_ptr=cache, v_ptr=cache, ks_ptr="*fp32", vs_ptr="*fp32",
+                 ws_ptr="*fp32", slope_ptr="*fp32", scale="fp32")  # fmt: skip
+    sig = {n: "constexpr" if n in fixed else types.get(n, "*i64" if n.endswith("_ptr") else "i32")
+           for n in names}  # fmt: skip
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n.endswith("_ptr") or n.startswith("stride")}  # fmt: skip
+    src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in fixed.items()},
+                    attrs=attrs)  # fmt: skip
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=warps, num_stages=attention.STAGES))  # fmt: skip
+
+
+def _report(compiled, config: str) -> dict:
+    """Registers, spill bytes, shared memory, and the opcodes of the compiled kernel's loop."""
     usage, sass = _disassemble(compiled)
     found = [(int(m[1], 16), m[2], line) for line in sass.splitlines()
              if (m := re.search(r"/\*([0-9a-f]{4,})\*/\s+(\S+(?: \S+)?)", line))]  # fmt: skip
@@ -127,11 +154,20 @@ def main() -> None:
         default=tuning.SINGLE_TILE,
         help="the launch's rows: a config without BLOCK_M tiles its bucket's",
     )
+    ap.add_argument("--attention", action="store_true",
+                    help="the decode attention's (CONFIGS: fp16, bf16, int8 caches)")  # fmt: skip
     a = ap.parse_args()
     for config in a.configs:
-        r = loop_report(config, bits=a.bits, arch=a.arch, rows=a.rows)
+        if a.attention:
+            if config not in ("fp16", "bf16", "int8"):
+                ap.error(f"--attention: {config!r} is not a cache dtype (fp16, bf16, int8)")
+            compiled = compile_attention(config == "int8", "fp16" if config == "int8" else config,
+                                         arch=a.arch)  # fmt: skip
+            r = _report(compiled, f"decode attention, {config} cache")
+        else:
+            r = loop_report(config, bits=a.bits, arch=a.arch, rows=a.rows)
         top = ", ".join(f"{k} {v}" for k, v in list(r["loop_ops"].items())[:12])
-        print(f"{config} ({r['arch']}, Triton {r['triton']}): {r['registers']} registers, "
+        print(f"{r['config']} ({r['arch']}, Triton {r['triton']}): {r['registers']} registers, "
               f"{r['stack_bytes']} B of stack (spills), {r['shared_bytes']} B shared"
               f"{', warp-specialized' if r['warp_specialized'] else ''}; loop "
               f"{r['loop_instructions']} instructions: {top}")  # fmt: skip

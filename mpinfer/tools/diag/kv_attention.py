@@ -8,13 +8,16 @@ served pool's layout): both launches of `decode_attention` as the step runs them
 splits, the default tile), in a CUDA graph cycling through enough caches to miss the L2. Per
 case: microseconds, the cache bytes read (keys and values, with an int8 cache's scales) and
 their rate. --modules names kernel modules of mpinfer.model.kernels to compare (an older copy
-of attention.py saved under another name, for a before/after in one process). --mixed: a
-decode batch of the unique mix's mixed histories, timed at every split count.
+of attention.py saved under another name, for a before/after in one process), each with
+options after colons: `l64` (keys a tile), `w4` (warps a program), e.g.
+`attention,attention:l64:w4`. --mixed: a decode batch of the unique mix's mixed histories, timed
+at every split count.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 
@@ -27,7 +30,19 @@ CASES = [("7b1", 32), ("176b/8", 14)]
 BLOCK = 16
 
 
-def case(mod, heads: int, batch: int, context, int8: bool, l2_bytes: int,
+def attention_fn(spec: str):
+    """'MODULE[:lN][:wN]' -> its decode_attention with N keys a tile, N warps a program."""
+    name, *opts = spec.split(":")
+    kw = {}
+    for o in opts:
+        if o[:1] not in ("l", "w") or not o[1:].isdigit():
+            raise SystemExit(f"--modules {spec!r}: unknown option {o!r} (lN, wN)")
+        kw["block_l" if o[0] == "l" else "num_warps"] = int(o[1:])
+    mod = importlib.import_module(f"mpinfer.model.kernels.{name}")
+    return functools.partial(mod.decode_attention, **kw)
+
+
+def case(attend, heads: int, batch: int, context, int8: bool, l2_bytes: int,
          n_splits: int | None = None) -> dict:  # fmt: skip
     """`context`: every row's history, or a list of each row's (a mixed batch)."""
     hd = 128
@@ -57,8 +72,7 @@ def case(mod, heads: int, batch: int, context, int8: bool, l2_bytes: int,
 
     def call(i):
         k, v, s = caches[i]
-        mod.decode_attention(qkv, k, v, slots, pos, vf, slopes, tables, out=out, scales=s,
-                             n_splits=n_splits)  # fmt: skip
+        attend(qkv, k, v, slots, pos, vf, slopes, tables, out=out, scales=s, n_splits=n_splits)
 
     us = graph_time_us(call, copies, calls=max(copies, 12), reps=5)
     return {"heads": heads, "batch": batch, "context": sum(lengths) / batch,
@@ -72,7 +86,7 @@ MIX_PROMPTS = (20, 90, 350, 1400)
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
-def mixed(mod, l2: int) -> tuple[list[dict], list[list]]:
+def mixed(attend, l2: int) -> tuple[list[dict], list[list]]:
     """Mixed histories against the split count: the policy's (tuning.attention_splits) and
     every count in SPLITS, beside a batch of equal histories of the same mean at the policy's
     count. The SM that draws the long rows' programs finishes last; more, shorter programs even
@@ -86,8 +100,8 @@ def mixed(mod, l2: int) -> tuple[list[dict], list[list]]:
             lengths = [MIX_PROMPTS[i] + d for i, d in zip(pick, done, strict=True)]
             policy = attention_splits(batch, heads, 2048, sm_count(0))
             for int8 in (False, True):
-                even = case(mod, heads, batch, sum(lengths) // batch, int8, l2, policy)
-                got = {n: case(mod, heads, batch, lengths, int8, l2, n)
+                even = case(attend, heads, batch, sum(lengths) // batch, int8, l2, policy)
+                got = {n: case(attend, heads, batch, lengths, int8, l2, n)
                        for n in sorted({policy, *SPLITS})}  # fmt: skip
                 best = min(got, key=lambda n: got[n]["us"])
                 for r in (even, *got.values()):
@@ -105,11 +119,11 @@ def equal(modules: list[str], l2: int) -> tuple[list[dict], list[list]]:
     """Every module's attention over equal histories, an fp16 and an int8 cache side by side."""
     rows, table = [], []
     for name in modules:
-        mod = importlib.import_module(f"mpinfer.model.kernels.{name}")
+        attend = attention_fn(name)
         for shape, heads in CASES:
             for batch in (1, 32, 64):
                 for context in (512, 2048):
-                    pair = [case(mod, heads, batch, context, q, l2) for q in (False, True)]
+                    pair = [case(attend, heads, batch, context, q, l2) for q in (False, True)]
                     for r in pair:
                         r.update(module=name, shape=shape)
                     rows += pair
@@ -131,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     gpu = torch.cuda.get_device_name()
     if a.mixed:
-        mod = importlib.import_module(f"mpinfer.model.kernels.{a.modules.split(',')[0]}")
-        rows, table = mixed(mod, l2)
+        rows, table = mixed(attention_fn(a.modules.split(",")[0]), l2)
         print(f"{gpu}: decode attention (both launches) over mixed histories by split count, us "
               "(equal: the same mean for every row)\n")  # fmt: skip
         print(md_table(["shape", "batch", "kv", "mean", "equal", "policy", "mixed at policy",
