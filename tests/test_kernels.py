@@ -102,9 +102,9 @@ def test_the_int8_cache_attention_converts_without_the_conversion_unit():
     unit's I2F, which Hopper runs at 16 values a clock per SM and which bound the loop before
     round 9; no spills; about the fp16 cache's instructions a tile (Triton 3.9: 908 against 860;
     3.6: 911 against 864), half its bytes."""
-    from mpinfer.tools.diag.kernel_sass import _report, compile_attention
+    from mpinfer.tools.diag.kernel_sass import attention_report
 
-    fp16, int8 = (_report(compile_attention(q), "") for q in (False, True))
+    fp16, int8 = (attention_report(cache) for cache in ("fp16", "int8"))
     ops = int8["loop_ops"]
     # (a few I2F remain: the ALiBi bias's key positions; the bytes through I2F were 128 a tile)
     assert ops.get("I2F", 0) <= 8 and ops.get("PRMT", 0) >= 128, int8

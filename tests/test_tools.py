@@ -242,7 +242,8 @@ def test_bench_budget_refuses_a_setting_without_a_name_and_value(flag, bad):
 
 def test_bench_gpu_table_shows_a_dash_for_a_batch_it_did_not_run():
     """`bench gpu --batches 32` times batch 32 alone: its table gives that figure and a dash for
-    the batch-1 columns (it raised KeyError before the JSON's summary was printed)."""
+    the batch-1 columns (it raised KeyError, and the run's JSON, written beside the table, was
+    lost with it)."""
     import random
 
     from mpinfer.tools.gpubench import markdown

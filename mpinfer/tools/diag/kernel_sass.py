@@ -101,6 +101,13 @@ def loop_report(
     return _report(compile_config(config, bits=bits, arch=arch, rows=rows), config)
 
 
+def attention_report(cache: str, *, arch: int = 90) -> dict:
+    """loop_report's figures for the decode attention over an fp16, bf16 or int8 cache (an int8
+    cache beside fp16 activations)."""
+    compiled = compile_attention(cache == "int8", "fp16" if cache == "int8" else cache, arch=arch)
+    return _report(compiled, f"decode attention, {cache} cache")
+
+
 def compile_attention(quant: bool, dtype: str = "fp16", *, arch: int = 90,
                       block_l: int = 32, warps: int = 2):  # fmt: skip
     """The decode attention's first kernel (kernels/attention.py) for BLOOM's head_dim 128 over
@@ -161,9 +168,7 @@ def main() -> None:
         if a.attention:
             if config not in ("fp16", "bf16", "int8"):
                 ap.error(f"--attention: {config!r} is not a cache dtype (fp16, bf16, int8)")
-            compiled = compile_attention(config == "int8", "fp16" if config == "int8" else config,
-                                         arch=a.arch)  # fmt: skip
-            r = _report(compiled, f"decode attention, {config} cache")
+            r = attention_report(config, arch=a.arch)
         else:
             r = loop_report(config, bits=a.bits, arch=a.arch, rows=a.rows)
         top = ", ".join(f"{k} {v}" for k, v in list(r["loop_ops"].items())[:12])
