@@ -37,11 +37,11 @@ def fused(y, gelu, res):
     return y + res.float() if res is not None else y
 
 
-def check(label, y, ref) -> bool:
+def check(label, y, ref, tol: float = 1e-2) -> bool:
     err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
     # fp16 outputs and weights: 2^-11 relative each; 1e-2 of the largest value is far above
     # that and far below a wrong tile, split or nibble (errors of order 1).
-    ok = err < 1e-2 and not SCRATCH[1].any()
+    ok = err < tol and not SCRATCH[1].any()
     print(f"{label}: max error {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
     return ok
 
@@ -198,6 +198,15 @@ def attention_case(kv: str, g: torch.Generator) -> bool:
                                             batch.dec_from, slopes, caches[0].tables, scales=sc,
                                             n_splits=n) for n in (1, 35))  # fmt: skip
     ok &= check(f"decode attention over a {kv} cache, 35 splits against one", many, one.float())
+    if q8:  # the biased route (MPINFER_KV8_BIASED), at the policy's splits and at 35
+        for n in (None, 35):
+            biased = attention.decode_attention(qkv[: batch.decode_rows], k_c, v_c, dec_seq,
+                                                dec_pos, batch.dec_from, slopes, caches[0].tables,
+                                                scales=sc, n_splits=n, biased=True)  # fmt: skip
+            # fp32 here: its error is the constant's removal (about 7e-5); a constant one off
+            # gives 7e-3
+            ok &= check(f"decode attention over an int8 cache, biased, splits {n or 'policy'}",
+                        biased, one.float(), tol=1e-3)  # fmt: skip
     # padding tokens' rows are store_kv's to zero (the output is not cleared first): zeros
     # there, every other row left as it was
     rows = torch.full((64, heads * hd), float("nan"))

@@ -253,24 +253,28 @@ def test_layer_norm_kernel_matches_torch(hidden):
                                rtol=1e-2, atol=1e-2)  # fmt: skip
 
 
-@pytest.mark.parametrize("kv", ["model", "int8"])
+@pytest.mark.parametrize("kv", ["model", "int8", "int8-biased"])
 @pytest.mark.parametrize("block_size", [None, 16])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_flat_step_kernels_match_the_reference_attention(dtype, block_size, kv):
+def test_flat_step_kernels_match_the_reference_attention(dtype, block_size, kv, monkeypatch):
     """The three launches of a mixed step (store_kv, decode rows, prompt-chunk tiles) against
     the pure-torch reference on the same cache: decode rows with long histories, chunks that
     start mid-row and span several tiles, a chunk of one token; rows on shuffled blocks of 16
     and on one block each; padding tokens (row -1) write nothing; the cache in the model's
-    dtype and in int8 with a scale per token and head."""
+    dtype and in int8 with a scale per token and head (int8-biased: the decode rows by the
+    biased route's packed PTX, MPINFER_KV8_BIASED)."""
     from mpinfer.engine.runner import Layout, StepInputs
     from mpinfer.engine.step import Prefill, Step
     from mpinfer.model.attention import FlatBatch, KVCache, attend_kernels, attend_reference
     from mpinfer.model.bloom import BloomShape, alibi_slopes
+    from mpinfer.model.kernels import attention
+
+    monkeypatch.setattr(attention, "BIASED", kv == "int8-biased")
 
     shape = BloomShape(vocab_size=100, hidden_size=512, n_layer=1, n_head=4)  # head_dim 128
     heads, hd = 4, 128
     g = torch.Generator(device="cuda").manual_seed(11)
-    q8 = kv == "int8"
+    q8 = kv.startswith("int8")
     # The reference runs in fp32 on an fp32 copy of the cache (SDPA in bf16 rounds its own
     # softmax: 0.15 off on a 300-key row), so the bound below is the kernel's own rounding.
     caches = [KVCache.allocate(shape, 1, slots=6, max_seq=320, dtype=dt, device="cuda",

@@ -27,10 +27,13 @@ its bucket's size. The eager reference of all three: attention.py (the model lay
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+from .launch import INTERPRETED
 from .tuning import CHUNK_TILE, attention_splits, sm_count
 from .w8a16_convert import _to_compute
 
@@ -50,6 +53,37 @@ def _i8_to_f32(x):
     return _to_compute(x, tl.float32, 2)
 
 
+# The int8 cache's bytes as fp32 1 + (q + 128) / 2^15, four a call, by byte permutes alone
+# (`prmt` puts each offset-binary byte under 1.0's exponent, in bits 8-15): the loop's products
+# run on these and the constant part leaves once a key or a tile (`_i8_biased`), which saves
+# _S8_TO_F32's subtract: one of the three instructions (permute, subtract, multiply-add) a value
+# costs in the loop. fp32 holds the 2^-15 steps exactly with 8 bits to spare; what taking the
+# constant off costs is the rounding of a 128-term (a key's) or 32-term (a tile's) sum near it.
+_S8_TO_BIASED_F32 = tl.constexpr("""{
+.reg .b32 u;
+xor.b32 u, $4, 0x80808080;
+prmt.b32 $0, u, 0x3F800000, 0x7604;
+prmt.b32 $1, u, 0x3F800000, 0x7614;
+prmt.b32 $2, u, 0x3F800000, 0x7624;
+prmt.b32 $3, u, 0x3F800000, 0x7634;
+}""")
+# q = BIAS_STEP * b - BIAS_ZERO for b = 1 + (q + 128) / 2^15
+BIAS_STEP, BIAS_ZERO = tl.constexpr(32768.0), tl.constexpr(32896.0)
+# The biased route (a diagnostic switch until timed on a GPU: MPINFER_KV8_BIASED=1).
+BIASED = os.environ.get("MPINFER_KV8_BIASED", "0") == "1"
+
+
+@triton.jit
+def _i8_biased(x):
+    """int8 -> fp32 1 + (x + 128) / 2^15 (see _S8_TO_BIASED_F32)."""
+    if INTERPRETED:
+        bits = ((x.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint32) << 8) | 0x3F800000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return tl.inline_asm_elementwise(_S8_TO_BIASED_F32, "=r,=r,=r,=r,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=4)  # fmt: skip
+
+
 def _scale_strides(scales) -> tuple[int, int]:
     return (scales[0].stride(0), scales[0].stride(1)) if scales is not None else (0, 0)
 
@@ -65,11 +99,14 @@ def _decode_attention_kernel(
     table_ptr, stride_qkv, stride_cs, stride_ch, stride_cl, stride_ss, stride_sh, stride_t, scale,
     n_heads, n_splits,
     HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr,
+    BIASED: tl.constexpr,
 ):  # fmt: skip
     """Program (b, h, s): split s of the keys [vf, pos) of row b, cut into n_splits equal runs
     of whole BLOCK_L tiles at run time (the row's length is known only on the device, so a
     captured graph serves every length), and (s == 0) the new token at pos. Writes its partial
-    softmax state (max, sum, weighted values) to the workspace."""
+    softmax state (max, sum, weighted values) to the workspace. BIASED (int8 cache): the
+    products run on _i8_biased's values, the constant part taken off a key's score and a tile's
+    values at once."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -116,13 +153,20 @@ def _decode_attention_kernel(
     lo = vf + s * per_split
     hi = tl.minimum(lo + per_split, pos)  # a padding row has pos = vf = 0: no tile at all
     offs = tl.arange(0, BLOCK_L)
+    q_zero = BIAS_ZERO * tl.sum(q, axis=0)  # BIASED: the constant part of every key's score
     for start in tl.range(lo, hi, BLOCK_L):
         j = start + offs  # (BLOCK_L,) key positions
         ok = j < hi
         blk = tl.load(table + j // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)  # (BLOCK_L,)
         row_off = blk * stride_cs + head_off + (j % BLOCK_SIZE) * stride_cl
         kv_off = row_off[:, None] + d[None, :]
-        if QUANT:  # int8 keys and values, a scale per key: applied to its score and weight
+        if QUANT and BIASED:
+            keys = _i8_biased(tl.load(k_ptr + kv_off, mask=ok[:, None], other=0))
+            vals = _i8_biased(tl.load(v_ptr + kv_off, mask=ok[:, None], other=0))
+            s_off = blk * stride_ss + h * stride_sh + j % BLOCK_SIZE
+            sc = BIAS_STEP * tl.sum(keys * q[None, :], axis=1) - q_zero
+            sc = sc * tl.load(ks_ptr + s_off, mask=ok, other=0.0)
+        elif QUANT:  # int8 keys and values, a scale per key: applied to its score and weight
             keys = _i8_to_f32(tl.load(k_ptr + kv_off, mask=ok[:, None], other=0))
             vals = _i8_to_f32(tl.load(v_ptr + kv_off, mask=ok[:, None], other=0))
             s_off = blk * stride_ss + h * stride_sh + j % BLOCK_SIZE
@@ -140,7 +184,11 @@ def _decode_attention_kernel(
             pv = p * tl.load(vs_ptr + s_off, mask=ok, other=0.0)
         else:
             pv = p
-        acc = acc * alpha + tl.sum(pv[:, None] * vals, axis=0)
+        if QUANT and BIASED:
+            tile = BIAS_STEP * tl.sum(pv[:, None] * vals, axis=0) - BIAS_ZERO * tl.sum(pv, axis=0)
+            acc = acc * alpha + tile
+        else:
+            acc = acc * alpha + tl.sum(pv[:, None] * vals, axis=0)
         denom = denom * alpha + tl.sum(p, axis=0)
         m = m_new
     ws = ws_ptr + ((b * n_heads + h) * n_splits + s) * (HEAD_DIM + 2)
@@ -186,10 +234,12 @@ def decode_attention(
     block_l: int = TILE_KEYS,
     num_warps: int = WARPS,
     num_stages: int = STAGES,
+    biased: bool | None = None,
 ) -> torch.Tensor:
     """n_splits (programs per row and head) by default from the policy in
-    tuning.attention_splits; the keyword arguments are for benchmarks and tests. `scales`:
-    an int8 cache's (k_scale, v_scale), each (blocks, heads, block_size) fp32."""
+    tuning.attention_splits; the keyword arguments are for benchmarks and tests (`biased`: an
+    int8 cache's biased route, default BIASED). `scales`: an int8 cache's (k_scale, v_scale),
+    each (blocks, heads, block_size) fp32."""
     B = qkv.shape[0]
     heads, block_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     max_seq = tables.shape[1] * block_size
@@ -205,7 +255,7 @@ def decode_attention(
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *_scale_strides(scales), tables.stride(0), head_dim**-0.5, heads, n_splits,
         HEAD_DIM=head_dim, BLOCK_L=block_l, BLOCK_SIZE=block_size, QUANT=scales is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        BIASED=BIASED if biased is None else biased, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _combine_kernel[(B, heads)](
         ws, out, out.stride(0), heads, n_splits,

@@ -2,7 +2,8 @@
 
     python -m mpinfer.tools.diag.kernel_sass "swap n128 k64 split1 pf0 magic6 w8 s3 m256" \
         [--bits 8] [--arch 90]
-    python -m mpinfer.tools.diag.kernel_sass --attention fp16 int8   (the decode attention's)
+    python -m mpinfer.tools.diag.kernel_sass --attention fp16 int8 int8-biased   (the decode
+        attention's loop over those caches)
 
 Triton compiles the kernel for the target (default sm_90a: the H100 and H200) with its pointers
 and strides specialized as a real launch specializes them (16-byte aligned, multiples of 16:
@@ -101,22 +102,26 @@ def loop_report(
     return _report(compile_config(config, bits=bits, arch=arch, rows=rows), config)
 
 
+ATTENTION_CACHES = ("fp16", "bf16", "int8", "int8-biased")
+
+
 def attention_report(cache: str, *, arch: int = 90) -> dict:
     """loop_report's figures for the decode attention over an fp16, bf16 or int8 cache (an int8
-    cache beside fp16 activations)."""
-    compiled = compile_attention(cache == "int8", "fp16" if cache == "int8" else cache, arch=arch)
+    cache beside fp16 activations; int8-biased: its biased route, attention.BIASED)."""
+    q8 = cache.startswith("int8")
+    compiled = compile_attention(q8, "fp16" if q8 else cache, arch=arch, biased=cache != "int8")
     return _report(compiled, f"decode attention, {cache} cache")
 
 
-def compile_attention(quant: bool, dtype: str = "fp16", *, arch: int = 90,
-                      block_l: int = 32, warps: int = 2):  # fmt: skip
+def compile_attention(quant: bool, dtype: str = "fp16", *, arch: int = 90, block_l: int = 32,
+                      warps: int = 2, biased: bool = False):  # fmt: skip
     """The decode attention's first kernel (kernels/attention.py) for BLOOM's head_dim 128 over
     16-token blocks: an fp16/bf16 cache (`dtype`) or an int8 one (`quant`)."""
     from ...model.kernels import attention
 
     kernel = attention._decode_attention_kernel
     names = list(inspect.signature(kernel.fn).parameters)
-    fixed = dict(HEAD_DIM=128, BLOCK_L=block_l, BLOCK_SIZE=16, QUANT=quant)
+    fixed = dict(HEAD_DIM=128, BLOCK_L=block_l, BLOCK_SIZE=16, QUANT=quant, BIASED=biased)
     cache = "*i8" if quant else f"*{dtype}"
     types = dict(qkv_ptr=f"*{dtype}", k_ptr=cache, v_ptr=cache, ks_ptr="*fp32", vs_ptr="*fp32",
                  ws_ptr="*fp32", slope_ptr="*fp32", scale="fp32")  # fmt: skip
@@ -162,12 +167,12 @@ def main() -> None:
         help="the launch's rows: a config without BLOCK_M tiles its bucket's",
     )
     ap.add_argument("--attention", action="store_true",
-                    help="the decode attention's (CONFIGS: fp16, bf16, int8 caches)")  # fmt: skip
+                    help="the decode attention's (CONFIGS: its caches)")  # fmt: skip
     a = ap.parse_args()
     for config in a.configs:
         if a.attention:
-            if config not in ("fp16", "bf16", "int8"):
-                ap.error(f"--attention: {config!r} is not a cache dtype (fp16, bf16, int8)")
+            if config not in ATTENTION_CACHES:
+                ap.error(f"--attention: {config!r} is not one of {', '.join(ATTENTION_CACHES)}")
             r = attention_report(config, arch=a.arch)
         else:
             r = loop_report(config, bits=a.bits, arch=a.arch, rows=a.rows)
