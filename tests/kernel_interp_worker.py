@@ -198,15 +198,17 @@ def attention_case(kv: str, g: torch.Generator) -> bool:
                                             batch.dec_from, slopes, caches[0].tables, scales=sc,
                                             n_splits=n) for n in (1, 35))  # fmt: skip
     ok &= check(f"decode attention over a {kv} cache, 35 splits against one", many, one.float())
-    if q8:  # the biased route (MPINFER_KV8_BIASED), at the policy's splits and at 35
-        for n in (None, 35):
+    if q8:  # the biased route (MPINFER_KV8_BIASED), at the policy's splits and at 35, in tiles
+        # of 32 and 64 keys (MPINFER_KV8_TILE_KEYS)
+        for n, tile in ((None, 32), (35, 32), (None, 64)):
             biased = attention.decode_attention(qkv[: batch.decode_rows], k_c, v_c, dec_seq,
                                                 dec_pos, batch.dec_from, slopes, caches[0].tables,
-                                                scales=sc, n_splits=n, biased=True)  # fmt: skip
-            # fp32 here: its error is the constant's removal (about 7e-5); a constant one off
-            # gives 7e-3
-            ok &= check(f"decode attention over an int8 cache, biased, splits {n or 'policy'}",
-                        biased, one.float(), tol=1e-3)  # fmt: skip
+                                                scales=sc, n_splits=n, biased=True,
+                                                block_l=tile)  # fmt: skip
+            # fp32 here: its error is the constant's removal (about 5e-5); a constant one off
+            # gives 1.3e-2
+            ok &= check(f"decode attention over an int8 cache, biased, splits {n or 'policy'}, "
+                        f"{tile} keys a tile", biased, one.float(), tol=1e-3)  # fmt: skip
     # padding tokens' rows are store_kv's to zero (the output is not cleared first): zeros
     # there, every other row left as it was
     rows = torch.full((64, heads * hd), float("nan"))

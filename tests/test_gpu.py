@@ -253,7 +253,7 @@ def test_layer_norm_kernel_matches_torch(hidden):
                                rtol=1e-2, atol=1e-2)  # fmt: skip
 
 
-@pytest.mark.parametrize("kv", ["model", "int8", "int8-biased"])
+@pytest.mark.parametrize("kv", ["model", "int8", "int8-biased", "int8-biased-l64"])
 @pytest.mark.parametrize("block_size", [None, 16])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_flat_step_kernels_match_the_reference_attention(dtype, block_size, kv, monkeypatch):
@@ -262,14 +262,15 @@ def test_flat_step_kernels_match_the_reference_attention(dtype, block_size, kv, 
     start mid-row and span several tiles, a chunk of one token; rows on shuffled blocks of 16
     and on one block each; padding tokens (row -1) write nothing; the cache in the model's
     dtype and in int8 with a scale per token and head (int8-biased: the decode rows by the
-    biased route's packed PTX, MPINFER_KV8_BIASED)."""
+    biased route's packed PTX, MPINFER_KV8_BIASED; -l64: in tiles of 64 keys)."""
     from mpinfer.engine.runner import Layout, StepInputs
     from mpinfer.engine.step import Prefill, Step
     from mpinfer.model.attention import FlatBatch, KVCache, attend_kernels, attend_reference
     from mpinfer.model.bloom import BloomShape, alibi_slopes
     from mpinfer.model.kernels import attention
 
-    monkeypatch.setattr(attention, "BIASED", kv == "int8-biased")
+    monkeypatch.setattr(attention, "BIASED", kv.startswith("int8-biased"))
+    monkeypatch.setattr(attention, "KV8_TILE_KEYS", 64 if kv.endswith("l64") else 32)
 
     shape = BloomShape(vocab_size=100, hidden_size=512, n_layer=1, n_head=4)  # head_dim 128
     heads, hd = 4, 128

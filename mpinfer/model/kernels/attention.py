@@ -69,8 +69,11 @@ prmt.b32 $3, u, 0x3F800000, 0x7634;
 }""")
 # q = BIAS_STEP * b - BIAS_ZERO for b = 1 + (q + 128) / 2^15
 BIAS_STEP, BIAS_ZERO = tl.constexpr(32768.0), tl.constexpr(32896.0)
-# The biased route (a diagnostic switch until timed on a GPU: MPINFER_KV8_BIASED=1).
+# The biased route and the int8 cache's keys a tile (diagnostic switches until timed on a GPU:
+# MPINFER_KV8_BIASED=1, MPINFER_KV8_TILE_KEYS=64; round 18 counted 40 % fewer instructions a
+# key for both together, compiled for sm_90a, at the same registers).
 BIASED = os.environ.get("MPINFER_KV8_BIASED", "0") == "1"
+KV8_TILE_KEYS = int(os.environ.get("MPINFER_KV8_TILE_KEYS", "32"))
 
 
 @triton.jit
@@ -231,15 +234,16 @@ def decode_attention(
     out: torch.Tensor | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     n_splits: int | None = None,
-    block_l: int = TILE_KEYS,
+    block_l: int | None = None,
     num_warps: int = WARPS,
     num_stages: int = STAGES,
     biased: bool | None = None,
 ) -> torch.Tensor:
     """n_splits (programs per row and head) by default from the policy in
-    tuning.attention_splits; the keyword arguments are for benchmarks and tests (`biased`: an
-    int8 cache's biased route, default BIASED). `scales`: an int8 cache's (k_scale, v_scale),
-    each (blocks, heads, block_size) fp32."""
+    tuning.attention_splits; the keyword arguments are for benchmarks and tests (`block_l`:
+    keys a tile, default TILE_KEYS, an int8 cache's KV8_TILE_KEYS; `biased`: an int8 cache's
+    biased route, default BIASED). `scales`: an int8 cache's (k_scale, v_scale), each (blocks,
+    heads, block_size) fp32."""
     B = qkv.shape[0]
     heads, block_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     max_seq = tables.shape[1] * block_size
@@ -254,7 +258,8 @@ def decode_attention(
         qkv, k_cache, v_cache, ks, vs, ws, slot_ids, positions, valid_from, slopes, tables,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *_scale_strides(scales), tables.stride(0), head_dim**-0.5, heads, n_splits,
-        HEAD_DIM=head_dim, BLOCK_L=block_l, BLOCK_SIZE=block_size, QUANT=scales is not None,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, QUANT=scales is not None,
+        BLOCK_L=block_l or (TILE_KEYS if scales is None else KV8_TILE_KEYS),
         BIASED=BIASED if biased is None else biased, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _combine_kernel[(B, heads)](
