@@ -156,7 +156,8 @@ def _decode_attention_kernel(
     lo = vf + s * per_split
     hi = tl.minimum(lo + per_split, pos)  # a padding row has pos = vf = 0: no tile at all
     offs = tl.arange(0, BLOCK_L)
-    q_zero = BIAS_ZERO * tl.sum(q, axis=0)  # BIASED: the constant part of every key's score
+    if QUANT and BIASED:  # the constant part of every key's score
+        q_zero = BIAS_ZERO * tl.sum(q, axis=0)
     for start in tl.range(lo, hi, BLOCK_L):
         j = start + offs  # (BLOCK_L,) key positions
         ok = j < hi
