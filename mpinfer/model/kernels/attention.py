@@ -55,7 +55,7 @@ def _i8_to_f32(x):
 
 # The int8 cache's bytes as fp32 1 + (q + 128) / 2^15, four a call, by byte permutes alone
 # (`prmt` puts each offset-binary byte under 1.0's exponent, in bits 8-15): the loop's products
-# run on these and the constant part leaves once a key or a tile (`_i8_biased`), which saves
+# run on these and the constant part leaves once a key or a tile (`_i8_values`), which saves
 # _S8_TO_F32's subtract: one of the three instructions (permute, subtract, multiply-add) a value
 # costs in the loop. fp32 holds the 2^-15 steps exactly with 8 bits to spare; what taking the
 # constant off costs is the rounding of a 128-term (a key's) or 32-term (a tile's) sum near it.
@@ -77,9 +77,11 @@ KV8_TILE_KEYS = int(os.environ.get("MPINFER_KV8_TILE_KEYS", "32"))
 
 
 @triton.jit
-def _i8_biased(x):
-    """int8 -> fp32 1 + (x + 128) / 2^15 (see _S8_TO_BIASED_F32)."""
-    if INTERPRETED:
+def _i8_values(x, BIASED: tl.constexpr):
+    """int8 -> fp32: x (_i8_to_f32), or BIASED 1 + (x + 128) / 2^15 (_S8_TO_BIASED_F32)."""
+    if not BIASED:
+        return _i8_to_f32(x)
+    elif INTERPRETED:
         bits = ((x.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint32) << 8) | 0x3F800000
         return bits.to(tl.float32, bitcast=True)
     else:
@@ -108,8 +110,8 @@ def _decode_attention_kernel(
     of whole BLOCK_L tiles at run time (the row's length is known only on the device, so a
     captured graph serves every length), and (s == 0) the new token at pos. Writes its partial
     softmax state (max, sum, weighted values) to the workspace. BIASED (int8 cache): the
-    products run on _i8_biased's values, the constant part taken off a key's score and a tile's
-    values at once."""
+    products run on _i8_values' biased values, the constant part taken off a key's score and a
+    tile's values at once."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -164,17 +166,14 @@ def _decode_attention_kernel(
         blk = tl.load(table + j // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)  # (BLOCK_L,)
         row_off = blk * stride_cs + head_off + (j % BLOCK_SIZE) * stride_cl
         kv_off = row_off[:, None] + d[None, :]
-        if QUANT and BIASED:
-            keys = _i8_biased(tl.load(k_ptr + kv_off, mask=ok[:, None], other=0))
-            vals = _i8_biased(tl.load(v_ptr + kv_off, mask=ok[:, None], other=0))
+        if QUANT:  # int8 keys and values, a scale per key: applied to its score and weight
+            keys = _i8_values(tl.load(k_ptr + kv_off, mask=ok[:, None], other=0), BIASED)
+            vals = _i8_values(tl.load(v_ptr + kv_off, mask=ok[:, None], other=0), BIASED)
             s_off = blk * stride_ss + h * stride_sh + j % BLOCK_SIZE
-            sc = BIAS_STEP * tl.sum(keys * q[None, :], axis=1) - q_zero
+            sc = tl.sum(keys * q[None, :], axis=1)
+            if BIASED:
+                sc = BIAS_STEP * sc - q_zero
             sc = sc * tl.load(ks_ptr + s_off, mask=ok, other=0.0)
-        elif QUANT:  # int8 keys and values, a scale per key: applied to its score and weight
-            keys = _i8_to_f32(tl.load(k_ptr + kv_off, mask=ok[:, None], other=0))
-            vals = _i8_to_f32(tl.load(v_ptr + kv_off, mask=ok[:, None], other=0))
-            s_off = blk * stride_ss + h * stride_sh + j % BLOCK_SIZE
-            sc = tl.sum(keys * q[None, :], axis=1) * tl.load(ks_ptr + s_off, mask=ok, other=0.0)
         else:
             keys = tl.load(k_ptr + kv_off, mask=ok[:, None], other=0.0).to(tl.float32)
             vals = tl.load(v_ptr + kv_off, mask=ok[:, None], other=0.0).to(tl.float32)
@@ -188,11 +187,10 @@ def _decode_attention_kernel(
             pv = p * tl.load(vs_ptr + s_off, mask=ok, other=0.0)
         else:
             pv = p
+        tile = tl.sum(pv[:, None] * vals, axis=0)
         if QUANT and BIASED:
-            tile = BIAS_STEP * tl.sum(pv[:, None] * vals, axis=0) - BIAS_ZERO * tl.sum(pv, axis=0)
-            acc = acc * alpha + tile
-        else:
-            acc = acc * alpha + tl.sum(pv[:, None] * vals, axis=0)
+            tile = BIAS_STEP * tile - BIAS_ZERO * tl.sum(pv, axis=0)
+        acc = acc * alpha + tile
         denom = denom * alpha + tl.sum(p, axis=0)
         m = m_new
     ws = ws_ptr + ((b * n_heads + h) * n_splits + s) * (HEAD_DIM + 2)
