@@ -99,6 +99,10 @@ bench() { python3 -m mpinfer.cli bench "$@"; }
 pytest_gpu() { python3 -m pytest -q -m gpu -p no:cacheprovider "$@"; }
 gpu_tests() { pytest_gpu tests/test_gpu.py tests/test_gpu_engine.py "$@"; }
 export -f bench pytest_gpu gpu_tests
+step_b32() {  # the decode step at batch 32, context 128 (#44's ITL p99 target is 3 x it)
+    TAIL=4 stage step-b32 60 bench gpu --shape bloom-7b1 --rows mpinfer-int8 --batches 32 \
+        --context 128 --out "$RES/step-b32.json"
+}
 [ "${1:-}" = final ] && set -- budget int4 int4-176b kernels tests
 for mode in "$@"; do case "$mode" in
 tune)
@@ -346,8 +350,7 @@ step-cap)  # #44's ITL p99 against TTFT p99: the unique mix in-process with step
                 --step-tokens "$cap" --out "$RES/mix-cap$cap-$round.json"
         done
     done
-    TAIL=4 stage step-b32 60 bench gpu --shape bloom-7b1 --rows mpinfer-int8 --batches 32 \
-        --context 128 --out "$RES/step-b32.json" ;;
+    step_b32 ;;
 step-cap-served)  # the same trade served: `mpinfer serve` (the 24 GiB server, 64 slots) under the
     # unique mix at 32 HTTP clients, per arm of SERVED_ARMS (';'-separated `--set` lists), then
     # the batch-32 context-128 step
@@ -359,8 +362,7 @@ max_step_tokens=512;max_step_tokens=256}"
         TAIL=6 stage "served-arm$i" 150 bench budget --workdir /tmp/mb --budgets 24GiB-u32 \
             --seconds "${SUSTAIN:-20}" "${sets[@]}" --out "$RES/served-arm$i.json"
     done
-    TAIL=4 stage step-b32 60 bench gpu --shape bloom-7b1 --rows mpinfer-int8 --batches 32 \
-        --context 128 --out "$RES/step-b32.json" ;;
+    step_b32 ;;
 ab-old)  # this tree against an older one's code, same table, alternating on one machine: decode
     # steps (bloom-7b1 int8 and int4) and the unique mix in-process. The older tree: carried in
     # .ab/old (ignored by git), e.g. `mkdir -p .ab/old && git archive COMMIT mpinfer | tar -x -C
