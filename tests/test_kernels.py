@@ -114,13 +114,15 @@ def test_the_int8_cache_attention_converts_without_the_conversion_unit():
 
 def test_the_biased_int8_route_compiles_to_fewer_instructions():
     """The int8 cache's biased route (MPINFER_KV8_BIASED) drops the subtract of each converted
-    byte: compiled for sm_90a its loop has at most 95 % of the shipped loop's instructions a tile
-    (Triton 3.9: 814 against 908; 3.6: 819 against 911), no more registers, still no bytes
-    through I2F and no spills."""
+    byte and sums the values across keys after the loop: compiled for sm_90a its loop has at
+    most 80 % of the shipped loop's instructions a tile (Triton 3.9: 692 against 908; the
+    subtract alone made it 814), far fewer shuffles, no more registers, still no bytes through
+    I2F and no spills."""
     from mpinfer.tools.diag.kernel_sass import attention_report
 
     shipped, biased = (attention_report(cache) for cache in ("int8", "int8-biased"))
-    assert biased["loop_instructions"] <= 0.95 * shipped["loop_instructions"], (shipped, biased)
+    assert biased["loop_instructions"] <= 0.8 * shipped["loop_instructions"], (shipped, biased)
+    assert biased["loop_ops"]["SHFL"] <= shipped["loop_ops"]["SHFL"] / 2, (shipped, biased)
     assert biased["registers"] <= shipped["registers"], (shipped, biased)
     ops = biased["loop_ops"]
     assert ops.get("I2F", 0) <= 8 and not ops.get("LDL") and not biased["stack_bytes"], biased

@@ -58,7 +58,7 @@ def _i8_to_f32(x):
 # run on these and the constant part leaves once a key or a tile (`_i8_values`), which saves
 # _S8_TO_F32's subtract: one of the three instructions (permute, subtract, multiply-add) a value
 # costs in the loop. fp32 holds the 2^-15 steps exactly with 8 bits to spare; what taking the
-# constant off costs is the rounding of a 128-term (a key's) or 32-term (a tile's) sum near it.
+# constant off costs is the rounding of a 128-term (a key's) or few-term (a partial's) sum.
 _S8_TO_BIASED_F32 = tl.constexpr("""{
 .reg .b32 u;
 xor.b32 u, $4, 0x80808080;
@@ -69,9 +69,8 @@ prmt.b32 $3, u, 0x3F800000, 0x7634;
 }""")
 # q = BIAS_STEP * b - BIAS_ZERO for b = 1 + (q + 128) / 2^15
 BIAS_STEP, BIAS_ZERO = tl.constexpr(32768.0), tl.constexpr(32896.0)
-# The biased route and the int8 cache's keys a tile (diagnostic switches until timed on a GPU:
-# MPINFER_KV8_BIASED=1, MPINFER_KV8_TILE_KEYS=64; round 18 counted 40 % fewer instructions a
-# key for both together, compiled for sm_90a, at the same registers).
+# The biased route and the int8 cache's keys a tile: switches until timed on a GPU (both: 40 %
+# fewer instructions a key, compiled for sm_90a, at the same registers; docs/performance.md).
 BIASED = os.environ.get("MPINFER_KV8_BIASED", "0") == "1"
 KV8_TILE_KEYS = int(os.environ.get("MPINFER_KV8_TILE_KEYS", "32"))
 
@@ -93,8 +92,7 @@ def _scale_strides(scales) -> tuple[int, int]:
     return (scales[0].stride(0), scales[0].stride(1)) if scales is not None else (0, 0)
 
 
-# Keys per tile, warps and pipeline stages per program (the sweep's winner; stages made no
-# difference there).
+# Keys per tile, warps and pipeline stages per program (the sweep's winner; stages did not matter)
 TILE_KEYS, WARPS, STAGES = 32, 2, 3
 
 
@@ -104,14 +102,15 @@ def _decode_attention_kernel(
     table_ptr, stride_qkv, stride_cs, stride_ch, stride_cl, stride_ss, stride_sh, stride_t, scale,
     n_heads, n_splits,
     HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr,
-    BIASED: tl.constexpr,
+    BIASED: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     """Program (b, h, s): split s of the keys [vf, pos) of row b, cut into n_splits equal runs
     of whole BLOCK_L tiles at run time (the row's length is known only on the device, so a
     captured graph serves every length), and (s == 0) the new token at pos. Writes its partial
     softmax state (max, sum, weighted values) to the workspace. BIASED (int8 cache): the
-    products run on _i8_values' biased values, the constant part taken off a key's score and a
-    tile's values at once."""
+    products run on _i8_values' biased values, the constant off a key's score at once, and the
+    values' sum across keys waits for the loop's end: ROWS rows of partials (the tile layout's
+    rows, 4 a warp), each thread adding its own, the constant off each partial a tile."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -158,8 +157,9 @@ def _decode_attention_kernel(
     lo = vf + s * per_split
     hi = tl.minimum(lo + per_split, pos)  # a padding row has pos = vf = 0: no tile at all
     offs = tl.arange(0, BLOCK_L)
-    if QUANT and BIASED:  # the constant part of every key's score
+    if QUANT and BIASED:  # the constant part of every key's score; the values' partials
         q_zero = BIAS_ZERO * tl.sum(q, axis=0)
+        parts = tl.where(tl.arange(0, ROWS)[:, None] == 0, acc[None, :], 0.0)
     for start in tl.range(lo, hi, BLOCK_L):
         j = start + offs  # (BLOCK_L,) key positions
         ok = j < hi
@@ -187,12 +187,16 @@ def _decode_attention_kernel(
             pv = p * tl.load(vs_ptr + s_off, mask=ok, other=0.0)
         else:
             pv = p
-        tile = tl.sum(pv[:, None] * vals, axis=0)
-        if QUANT and BIASED:
-            tile = BIAS_STEP * tile - BIAS_ZERO * tl.sum(pv, axis=0)
-        acc = acc * alpha + tile
+        if QUANT and BIASED:  # no shuffles or barriers in the loop for the values' sum
+            part = tl.sum(tl.reshape(pv[:, None] * vals, (BLOCK_L // ROWS, ROWS, HEAD_DIM)), 0)
+            pvs = tl.sum(tl.reshape(pv, (BLOCK_L // ROWS, ROWS)), axis=0)
+            parts = parts * alpha + (BIAS_STEP * part - BIAS_ZERO * pvs[:, None])
+        else:
+            acc = acc * alpha + tl.sum(pv[:, None] * vals, axis=0)
         denom = denom * alpha + tl.sum(p, axis=0)
         m = m_new
+    if QUANT and BIASED:
+        acc = tl.sum(parts, axis=0)
     ws = ws_ptr + ((b * n_heads + h) * n_splits + s) * (HEAD_DIM + 2)
     tl.store(ws + d, acc)
     tl.store(ws + HEAD_DIM, m)
@@ -258,7 +262,7 @@ def decode_attention(
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *_scale_strides(scales), tables.stride(0), head_dim**-0.5, heads, n_splits,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, QUANT=scales is not None,
-        BLOCK_L=block_l or (TILE_KEYS if scales is None else KV8_TILE_KEYS),
+        BLOCK_L=block_l or (TILE_KEYS if scales is None else KV8_TILE_KEYS), ROWS=4 * num_warps,
         BIASED=BIASED if biased is None else biased, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _combine_kernel[(B, heads)](
