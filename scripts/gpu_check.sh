@@ -62,7 +62,7 @@
 #   step-cap  the unique mix at step caps of 256, 384 and 512 tokens (ITL p99 against TTFT p99),
 #             then the decode step at batch 32, context 128
 #   step-cap-served  the same served (`mpinfer serve`, 32 HTTP clients) per SERVED_ARMS: step
-#             cap and KV cache dtype
+#             cap, KV cache dtype, MPINFER_* switches
 #   r18-kv8   the int8 cache's decode attention: the biased route and 64-key tiles beside the
 #             shipped loop, its GPU tests, the int8-KV mix at a 256 cap, shipped against both
 #   rank-fit  one card of the 176B 8x24 GB configs (int8, int4) on one GPU: a simulated tp-8
@@ -352,15 +352,19 @@ step-cap)  # #44's ITL p99 against TTFT p99: the unique mix in-process with step
     done
     step_b32 ;;
 step-cap-served)  # the same trade served: `mpinfer serve` (the 24 GiB server, 64 slots) under the
-    # unique mix at 32 HTTP clients, per arm of SERVED_ARMS (';'-separated `--set` lists), then
-    # the batch-32 context-128 step
+    # unique mix at 32 HTTP clients, per arm of SERVED_ARMS (';'-separated lists of `--set`
+    # keys and of MPINFER_* switches for that arm's server), then the batch-32 context-128 step
     IFS=';' read -ra arms <<< "${SERVED_ARMS:-max_step_tokens=256 kv_cache_dtype=int8;\
 max_step_tokens=512;max_step_tokens=256}"
     for i in "${!arms[@]}"; do
-        sets=(); for kv in ${arms[$i]}; do sets+=(--set "server.$kv"); done
+        sets=(); envs=()
+        for kv in ${arms[$i]}; do
+            case $kv in MPINFER_*) envs+=("$kv") ;; *) sets+=(--set "server.$kv") ;; esac
+        done
         echo "arm $i: ${arms[$i]}"
-        TAIL=6 stage "served-arm$i" 150 bench budget --workdir /tmp/mb --budgets 24GiB-u32 \
-            --seconds "${SUSTAIN:-20}" "${sets[@]}" --out "$RES/served-arm$i.json"
+        TAIL=6 stage "served-arm$i" "${ARM_TIME:-150}" env "${envs[@]}" python3 -m mpinfer.cli \
+            bench budget --workdir /tmp/mb --budgets 24GiB-u32 --seconds "${SUSTAIN:-20}" \
+            "${sets[@]}" --out "$RES/served-arm$i.json"
     done
     step_b32 ;;
 ab-old)  # this tree against an older one's code, same table, alternating on one machine: decode
