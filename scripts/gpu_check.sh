@@ -387,11 +387,12 @@ r18-kv8)  # the int8 cache's decode attention (its loop is bound by its instruct
     # the variants) beside the shipped loop over both caches, the attention GPU tests (the biased
     # route's PTX among them), then the unique mix in-process with the int8 cache at a 256-token
     # cap (round 18's ITL trade), shipped against KV8_ARM (default both switches), alternating
+    # (KV8_ARMS: the order)
     TAIL=60 stage kv8 "${KV_TIME:-200}" python3 -m mpinfer.tools.diag.kv_attention --modules \
         "${KV_MODULES:-attention,attention:biased,attention:l64,attention:l64:biased}" \
         --out "$RES/kv8.json"
     TAIL=8 stage gpu-tests-attention "${TEST_TIME:-100}" gpu_tests -k "flat_step or fused_decode"
-    for arm in shipped new shipped new; do
+    for arm in ${KV8_ARMS:-shipped new shipped new}; do
         env=$([ $arm = new ] && echo "${KV8_ARM:-MPINFER_KV8_BIASED=1 MPINFER_KV8_TILE_KEYS=64}")
         TAIL=3 stage "mix-kv8-$arm-$SECONDS" "${MIX_TIME:-100}" env $env python3 -m \
             mpinfer.tools.diag.mixed_step --quick --seconds "${SUSTAIN:-12}" --kv-int8 \
