@@ -192,13 +192,13 @@ def attention_case(kv: str, g: torch.Generator) -> bool:
                              heads, hd)  # fmt: skip
     ok = check(f"attention over a {kv} cache", out_k[:n], out_r)
     # the merge of 35 splits (the policy's most is 32), most of them empty, gives what one
-    # split does
+    # split does (an int8 cache: by the exact route, MPINFER_KV8_BIASED=0)
     k_c, v_c, sc = caches[0].layer(0)
     one, many = (attention.decode_attention(qkv[: batch.decode_rows], k_c, v_c, dec_seq, dec_pos,
                                             batch.dec_from, slopes, caches[0].tables, scales=sc,
-                                            n_splits=n) for n in (1, 35))  # fmt: skip
+                                            n_splits=n, biased=False) for n in (1, 35))  # fmt: skip
     ok &= check(f"decode attention over a {kv} cache, 35 splits against one", many, one.float())
-    if q8:  # the biased route (MPINFER_KV8_BIASED), at the policy's splits and at 35, in tiles
+    if q8:  # the biased route (the default), at the policy's splits and at 35, in tiles
         # of 32 and 64 keys (MPINFER_KV8_TILE_KEYS), its partial rows 4 a warp
         for n, tile, warps in ((None, 32, 2), (35, 32, 2), (None, 64, 2), (35, 64, 4)):
             biased = attention.decode_attention(qkv[: batch.decode_rows], k_c, v_c, dec_seq,

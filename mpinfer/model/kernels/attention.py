@@ -69,9 +69,9 @@ prmt.b32 $3, u, 0x3F800000, 0x7634;
 }""")
 # q = BIAS_STEP * b - BIAS_ZERO for b = 1 + (q + 128) / 2^15
 BIAS_STEP, BIAS_ZERO = tl.constexpr(32768.0), tl.constexpr(32896.0)
-# The biased route and the int8 cache's keys a tile: switches until timed on a GPU (both: 40 %
-# fewer instructions a key, compiled for sm_90a, at the same registers; docs/performance.md).
-BIASED = os.environ.get("MPINFER_KV8_BIASED", "0") == "1"
+# The int8 cache's route (biased since round 19: 0.68-0.91 x the exact loop's time on an H200
+# at 32-64 rows; MPINFER_KV8_BIASED=0 the exact one) and keys a tile (64 won only past 2k keys)
+BIASED = os.environ.get("MPINFER_KV8_BIASED", "1") == "1"
 KV8_TILE_KEYS = int(os.environ.get("MPINFER_KV8_TILE_KEYS", "32"))
 
 

@@ -107,7 +107,8 @@ ATTENTION_CACHES = ("fp16", "bf16", "int8", "int8-biased")
 
 def attention_report(cache: str, *, arch: int = 90) -> dict:
     """loop_report's figures for the decode attention over an fp16, bf16 or int8 cache (an int8
-    cache beside fp16 activations; int8-biased: its biased route, attention.BIASED)."""
+    cache beside fp16 activations by the exact route, MPINFER_KV8_BIASED=0; int8-biased: by the
+    biased route, the default)."""
     q8 = cache.startswith("int8")
     compiled = compile_attention(q8, "fp16" if q8 else cache, arch=arch, biased=cache != "int8")
     return _report(compiled, f"decode attention, {cache} cache")

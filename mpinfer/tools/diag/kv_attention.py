@@ -9,9 +9,9 @@ splits, the default tile), in a CUDA graph cycling through enough caches to miss
 case: microseconds, the cache bytes read (keys and values, with an int8 cache's scales) and
 their rate. --modules names kernel modules of mpinfer.model.kernels to compare (an older copy
 of attention.py saved under another name, for a before/after in one process), each with
-options after colons: `l64` (keys a tile), `w4` (warps a program), `biased` (the int8 cache's
-biased route), e.g. `attention,attention:biased,attention:l64:w4`. --mixed: a decode batch of
-the unique mix's mixed histories, timed at every split count.
+options after colons: `l64` (keys a tile), `w4` (warps a program), `biased` or `exact` (the int8
+cache's route; biased is the default), e.g. `attention,attention:exact,attention:l64:w4`.
+--mixed: a decode batch of the unique mix's mixed histories, timed at every split count.
 """
 
 from __future__ import annotations
@@ -31,17 +31,17 @@ BLOCK = 16
 
 
 def attention_fn(spec: str):
-    """'MODULE[:lN][:wN][:biased]' -> its decode_attention with N keys a tile, N warps a
-    program, the int8 cache's biased route."""
+    """'MODULE[:lN][:wN][:biased|:exact]' -> its decode_attention with N keys a tile, N warps
+    a program, the int8 cache's biased or exact route."""
     name, *opts = spec.split(":")
     kw = {}
     for o in opts:
-        if o == "biased":
-            kw["biased"] = True
+        if o in ("biased", "exact"):
+            kw["biased"] = o == "biased"
         elif o[:1] in ("l", "w") and o[1:].isdigit():
             kw["block_l" if o[0] == "l" else "num_warps"] = int(o[1:])
         else:
-            raise SystemExit(f"--modules {spec!r}: unknown option {o!r} (lN, wN, biased)")
+            raise SystemExit(f"--modules {spec!r}: unknown option {o!r} (lN, wN, biased, exact)")
     mod = importlib.import_module(f"mpinfer.model.kernels.{name}")
     return functools.partial(mod.decode_attention, **kw)
 
