@@ -63,8 +63,8 @@
 #             then the decode step at batch 32, context 128
 #   step-cap-served  the same served (`mpinfer serve`, 32 HTTP clients) per SERVED_ARMS: step
 #             cap, KV cache dtype, MPINFER_* switches
-#   r18-kv8   the int8 cache's decode attention: the biased route and 64-key tiles beside the
-#             shipped loop, its GPU tests, the int8-KV mix at a 256 cap, shipped against both
+#   r18-kv8   the int8 cache's decode attention: the biased route (default since round 19),
+#             the exact loop, 64-key tiles; its GPU tests; the int8-KV mix at a 256 cap by arm
 #   rank-fit  one card of the 176B 8x24 GB configs (int8, int4) on one GPU: a simulated tp-8
 #             rank started under 24,564 MiB, its stages and KV pool against the plan, a burst
 #   ncu       Nsight Compute's counters of single matmul launches (NCU_RUNS, diag.matmul_profile)
@@ -383,17 +383,21 @@ ab-old)  # this tree against an older one's code, same table, alternating on one
             --out "$RES/mix-$arm-$SECONDS.json"
     done ;;
 r18-kv8)  # the int8 cache's decode attention (its loop is bound by its instructions: round 9):
-    # the biased route and 64-key tiles (MPINFER_KV8_BIASED, MPINFER_KV8_TILE_KEYS; KV_MODULES:
-    # the variants) beside the shipped loop over both caches, the attention GPU tests (the biased
-    # route's PTX among them), then the unique mix in-process with the int8 cache at a 256-token
-    # cap (round 18's ITL trade), shipped against KV8_ARM (default both switches), alternating
-    # (KV8_ARMS: the order)
+    # the shipped (biased) route, the exact loop and 64-key tiles (MPINFER_KV8_BIASED,
+    # MPINFER_KV8_TILE_KEYS; KV_MODULES: the variants) over both caches, the attention GPU tests,
+    # then the unique mix in-process with the int8 cache at a 256-token cap (round 18's ITL
+    # trade) per arm of KV8_ARMS, alternating: exact (MPINFER_KV8_BIASED=0), shipped, new (the
+    # switches in KV8_ARM)
     TAIL=60 stage kv8 "${KV_TIME:-200}" python3 -m mpinfer.tools.diag.kv_attention --modules \
-        "${KV_MODULES:-attention,attention:biased,attention:l64,attention:l64:biased}" \
+        "${KV_MODULES:-attention,attention:exact,attention:l64,attention:l64:exact}" \
         --out "$RES/kv8.json"
     TAIL=8 stage gpu-tests-attention "${TEST_TIME:-100}" gpu_tests -k "flat_step or fused_decode"
-    for arm in ${KV8_ARMS:-shipped new shipped new}; do
-        env=$([ $arm = new ] && echo "${KV8_ARM:-MPINFER_KV8_BIASED=1 MPINFER_KV8_TILE_KEYS=64}")
+    for arm in ${KV8_ARMS:-exact shipped exact shipped}; do
+        case $arm in
+            exact) env=MPINFER_KV8_BIASED=0 ;;
+            new) env=${KV8_ARM:?KV8_ARM: switches of the new arm, e.g. MPINFER_KV8_TILE_KEYS=64} ;;
+            *) env= ;;
+        esac
         TAIL=3 stage "mix-kv8-$arm-$SECONDS" "${MIX_TIME:-100}" env $env python3 -m \
             mpinfer.tools.diag.mixed_step --quick --seconds "${SUSTAIN:-12}" --kv-int8 \
             --step-tokens 256 --out "$RES/mix-kv8-$arm-$SECONDS.json"
