@@ -261,8 +261,9 @@ def test_flat_step_kernels_match_the_reference_attention(dtype, block_size, kv, 
     the pure-torch reference on the same cache: decode rows with long histories, chunks that
     start mid-row and span several tiles, a chunk of one token; rows on shuffled blocks of 16
     and on one block each; padding tokens (row -1) write nothing; the cache in the model's
-    dtype and in int8 with a scale per token and head (int8-biased: the decode rows by the
-    biased route's packed PTX, MPINFER_KV8_BIASED; -l64: in tiles of 64 keys)."""
+    dtype and in int8 with a scale per token and head (int8: the decode rows by the exact loop,
+    MPINFER_KV8_BIASED=0; int8-biased: by the biased route's packed PTX, the default; -l64: in
+    tiles of 64 keys)."""
     from mpinfer.engine.runner import Layout, StepInputs
     from mpinfer.engine.step import Prefill, Step
     from mpinfer.model.attention import FlatBatch, KVCache, attend_kernels, attend_reference

@@ -55,10 +55,9 @@ def _i8_to_f32(x):
 
 # The int8 cache's bytes as fp32 1 + (q + 128) / 2^15, four a call, by byte permutes alone
 # (`prmt` puts each offset-binary byte under 1.0's exponent, in bits 8-15): the loop's products
-# run on these and the constant part leaves once a key or a tile (`_i8_values`), which saves
-# _S8_TO_F32's subtract: one of the three instructions (permute, subtract, multiply-add) a value
-# costs in the loop. fp32 holds the 2^-15 steps exactly with 8 bits to spare; what taking the
-# constant off costs is the rounding of a 128-term (a key's) or few-term (a partial's) sum.
+# run on these and the constant leaves once a key or a partial (`_i8_values`), saving
+# _S8_TO_F32's subtract. fp32 holds the 2^-15 steps exactly with 8 bits to spare; the cost is the
+# rounding of a 128-term (a key's) or few-term (a partial's) sum near the constant.
 _S8_TO_BIASED_F32 = tl.constexpr("""{
 .reg .b32 u;
 xor.b32 u, $4, 0x80808080;
@@ -243,10 +242,10 @@ def decode_attention(
     biased: bool | None = None,
 ) -> torch.Tensor:
     """n_splits (programs per row and head) by default from the policy in
-    tuning.attention_splits; the keyword arguments are for benchmarks and tests (`block_l`:
-    keys a tile, default TILE_KEYS, an int8 cache's KV8_TILE_KEYS; `biased`: an int8 cache's
-    biased route, default BIASED). `scales`: an int8 cache's (k_scale, v_scale), each (blocks,
-    heads, block_size) fp32."""
+    tuning.attention_splits; the keyword arguments are for benchmarks and tests (`block_l`: keys
+    a tile, default TILE_KEYS, an int8 cache's KV8_TILE_KEYS; `biased`: an int8 cache's route,
+    default BIASED). `scales`: an int8 cache's (k_scale, v_scale), each (blocks, heads,
+    block_size) fp32."""
     B = qkv.shape[0]
     heads, block_size, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     max_seq = tables.shape[1] * block_size
@@ -257,13 +256,14 @@ def decode_attention(
     if out is None:
         out = torch.empty((B, heads * head_dim), dtype=qkv.dtype, device=qkv.device)
     ks, vs = scales if scales is not None else (k_cache, v_cache)  # (unread without QUANT)
+    block_l = block_l or (TILE_KEYS if scales is None else KV8_TILE_KEYS)
     _decode_attention_kernel[(B, heads, n_splits)](
         qkv, k_cache, v_cache, ks, vs, ws, slot_ids, positions, valid_from, slopes, tables,
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *_scale_strides(scales), tables.stride(0), head_dim**-0.5, heads, n_splits,
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, QUANT=scales is not None,
-        BLOCK_L=block_l or (TILE_KEYS if scales is None else KV8_TILE_KEYS), ROWS=4 * num_warps,
-        BIASED=BIASED if biased is None else biased, num_warps=num_warps, num_stages=num_stages,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, QUANT=scales is not None, BLOCK_L=block_l,
+        ROWS=min(4 * num_warps, block_l), BIASED=BIASED if biased is None else biased,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _combine_kernel[(B, heads)](
         ws, out, out.stride(0), heads, n_splits,
