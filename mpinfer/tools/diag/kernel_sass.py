@@ -122,9 +122,8 @@ def compile_attention(quant: bool, dtype: str = "fp16", *, arch: int = 90, block
 
     kernel = attention._decode_attention_kernel
     names = list(inspect.signature(kernel.fn).parameters)
-    fixed = dict(
-        HEAD_DIM=128, BLOCK_L=block_l, BLOCK_SIZE=16, QUANT=quant, BIASED=biased, ROWS=4 * warps
-    )
+    fixed = dict(HEAD_DIM=128, BLOCK_L=block_l, BLOCK_SIZE=16, QUANT=quant, BIASED=biased,
+                 ROWS=min(4 * warps, block_l))  # fmt: skip
     cache = "*i8" if quant else f"*{dtype}"
     types = dict(qkv_ptr=f"*{dtype}", k_ptr=cache, v_ptr=cache, ks_ptr="*fp32", vs_ptr="*fp32",
                  ws_ptr="*fp32", slope_ptr="*fp32", scale="fp32")  # fmt: skip
