@@ -261,3 +261,60 @@ def test_bench_gpu_table_shows_a_dash_for_a_batch_it_did_not_run():
     }
     line = markdown(result).splitlines()[-1]
     assert line.split(" | ")[3:7] == ["-", "-", f"{b32:.2f}", "-"], line
+
+
+def test_the_load_generator_reads_a_phases_gc_pauses_off_the_servers_histogram():
+    """Collections between two readings of the server's /metrics page are counted by
+    generation, with their time and how many took over 10 ms (a heap of a million containers
+    makes a full collection that long on any machine); before and after only differ by them."""
+    import gc
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from mpinfer.startup.heap import GcPauses
+    from mpinfer.tools.loadgen import gc_pauses, parse_counters
+
+    registry = CollectorRegistry()
+    pauses = GcPauses(registry)
+    try:
+        before = parse_counters(generate_latest(registry).decode())
+        assert gc_pauses(before, before) == {
+            "gc_collections": {"0": 0, "1": 0, "2": 0},
+            "gc_pause_ms": 0.0,
+            "gc_pauses_over_10ms": 0,
+        }
+        heap = [[i] for i in range(1_000_000)]
+        full = 3
+        for _ in range(full):
+            gc.collect()
+        gc.collect(1)
+        got = gc_pauses(before, parse_counters(generate_latest(registry).decode()))
+        del heap
+    finally:
+        pauses.close()
+    assert got["gc_collections"]["2"] >= full and got["gc_collections"]["1"] >= 1
+    assert got["gc_pauses_over_10ms"] >= full
+    assert got["gc_pause_ms"] >= full * 10
+    assert pauses._hook not in gc.callbacks
+
+
+def test_settle_freezes_what_start_up_left_unless_switched_off(monkeypatch):
+    """`settle` takes every live object out of the collector's generations (a full collection
+    then walks none of them); MPINFER_GC_FREEZE=0 leaves the heap as it was."""
+    import gc
+
+    from mpinfer.startup.heap import settle
+
+    kept = [[i] for i in range(1000)]
+    base = gc.get_freeze_count()
+    try:
+        monkeypatch.setenv("MPINFER_GC_FREEZE", "0")
+        assert settle() == 0 and gc.get_freeze_count() == base
+        assert any(o is kept for o in gc.get_objects())
+        monkeypatch.delenv("MPINFER_GC_FREEZE")
+        frozen = settle()
+        assert frozen == gc.get_freeze_count() >= base + len(kept)
+        assert not any(o is kept for o in gc.get_objects())
+    finally:
+        gc.unfreeze()
+    assert any(o is kept for o in gc.get_objects())

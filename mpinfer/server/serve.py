@@ -26,6 +26,7 @@ import uvicorn
 
 from ..config import RunConfig, add_config_args
 from ..dist import DistContext, raise_everywhere
+from ..startup.heap import GcPauses, settle
 from ..startup.launcher import add_launch_args
 from ..startup.runtime import (
     Interrupted,
@@ -109,6 +110,7 @@ def serve_rank(cfg: RunConfig, ctx: DistContext) -> None:
         start(cfg, ctx)
         return
     state = State(cfg, model_name=Path(cfg.model.path).name)
+    GcPauses(state.registry)  # the process's collector pauses on /metrics
 
     def while_loading(signum, frame):
         state.status = "stopping"
@@ -128,6 +130,7 @@ def serve_rank(cfg: RunConfig, ctx: DistContext) -> None:
         raise_everywhere(error, ctx)
         engine = start(cfg, ctx)
         state.attach(engine, chat)
+        settle()  # what start-up built, out of the collector's sight (heap.py)
         install_shutdown(state, engine, s.shutdown_timeout)
         state.status = "ready"
         log.info("ready: %s", bound_url(http, s.host, s.port))

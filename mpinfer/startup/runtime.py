@@ -42,6 +42,7 @@ from ..engine.runner import ModelRunner, run_worker
 from ..engine.sampling import SamplingParams
 from ..engine.step import CacheFit
 from ..model.memory import budget_bytes, cpu_blocks, memory_margin, provisional_blocks
+from .heap import settle
 
 # The caching allocator in expandable segments, unless the user configured it: a fixed segment
 # that still holds one live tensor stays reserved whole, which the KV pool's fit counts as held
@@ -227,5 +228,6 @@ def start(
         engine.warm_up()
         engine.fit_cache()
         return engine
+    settle()  # rank 0's face settles its own heap once its engine is built (serve.py)
     run_worker(runner)
     return None

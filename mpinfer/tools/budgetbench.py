@@ -234,7 +234,7 @@ def budget_table(r: dict) -> str:
                 phase_rows.append([f"{name} {ph}", f"{p['tok_per_s']:.0f}", "-", "-", "-",
                                    f"{p['ttft_ms_median']:.0f}", "-", "-",
                                    f"{p['itl_ms_median']:.1f}", "-", "-", "-", "-", "-",
-                                   p["errors"]])  # fmt: skip
+                                   "-", p["errors"]])  # fmt: skip
     eq, off = r.get("greedy_equal", []), r.get("offload_equal_twin", [])
     return "\n".join([
         f"{r['machine'].get('gpu', 'cpu')}: {r['shape']} int8, random weights, `mpinfer serve "

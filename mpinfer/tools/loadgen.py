@@ -14,7 +14,9 @@ produces exactly what it asked for). Two ways to drive it:
 Each phase reports output tokens/s, time to first token p50/p99, inter-token gap p50/p99, the
 prompt tokens per output token of what actually ran, the prefix cache's hit rate over the phase
 (the server's own counters: prompt tokens found in the cache over those looked up; the mix's
-unique openings keep it near 0, `system` gives every prompt one shared opening), and GPU
+unique openings keep it near 0, `system` gives every prompt one shared opening), the server
+process's garbage-collector pauses over the phase (its /metrics: ms in all, and how many took
+over 10 ms, when every thread of the server stood still), and GPU
 utilization and memory (NVML, sampled every 100 ms) when nvidia-ml-py is installed.
 `ideal_tok_s` is what that mix allows on this engine: 1 / (prompt tokens per output token /
 prefill tokens/s + batch-32 step / 32), prefill work counted once at full prefill speed, decode
@@ -56,20 +58,46 @@ def system_prompt(words: int = 1000, seed: int = 7) -> str:
     return " ".join(rng.choice(WORDS) + str(rng.randrange(100)) for _ in range(words)) + "\n"
 
 
-def prefix_counters(url: str) -> tuple[float, float]:
-    """(prompt tokens looked up in the prefix cache, found there) so far, from /metrics."""
+def server_counters(url: str) -> dict[str, float]:
+    """The server's cumulative counters a phase's figures are differences of, from /metrics:
+    prompt tokens looked up in the prefix cache and found there, and the garbage collector's
+    pauses by generation (count, seconds, and how many took 10 ms or less)."""
+    return parse_counters(httpx.get(url + "/metrics", timeout=10).text)
+
+
+def parse_counters(page: str) -> dict[str, float]:
+    """`server_counters` from a /metrics page's text (names with their labels as keys)."""
     got = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("mpinfer_prefix_cache_") and "{" not in line:
-            name, value = line.split()
+    for line in page.splitlines():
+        if line.startswith(("mpinfer_prefix_cache_", "mpinfer_gc_pause_seconds_")):
+            name, value = line.rsplit(" ", 1)
             got[name] = float(value)
-    return (got.get("mpinfer_prefix_cache_queried_tokens_total", 0.0),
-            got.get("mpinfer_prefix_cache_hit_tokens_total", 0.0))  # fmt: skip
+    return got
 
 
-def hit_rate(before: tuple[float, float], after: tuple[float, float]) -> float | None:
-    queried = after[0] - before[0]
-    return (after[1] - before[1]) / queried if queried else None
+def hit_rate(before: dict, after: dict) -> float | None:
+    """The prefix cache's hit rate between two `server_counters`."""
+    q, h = "mpinfer_prefix_cache_queried_tokens_total", "mpinfer_prefix_cache_hit_tokens_total"
+    queried = after.get(q, 0.0) - before.get(q, 0.0)
+    return (after.get(h, 0.0) - before.get(h, 0.0)) / queried if queried else None
+
+
+def gc_pauses(before: dict, after: dict) -> dict:
+    """The garbage collector's pauses between two `server_counters`: collections by generation,
+    their total ms, and how many took over 10 ms (every thread waits through each: the engine's
+    steps and the streams' writes)."""
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    count, total, over = {}, 0.0, 0
+    for g in range(3):
+        label = f'{{generation="{g}"}}'
+        count[str(g)] = int(delta("mpinfer_gc_pause_seconds_count" + label))
+        total += delta("mpinfer_gc_pause_seconds_sum" + label)
+        short = delta(f'mpinfer_gc_pause_seconds_bucket{{generation="{g}",le="0.01"}}')
+        over += count[str(g)] - int(short)
+    return {"gc_collections": count, "gc_pause_ms": total * 1e3, "gc_pauses_over_10ms": over}
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -204,7 +232,7 @@ async def closed_loop(url: str, clients: int, seconds: float, seed: int = 0, *,
     import aiohttp
 
     work = work or mixed_requests(100_000, seed)
-    counters = prefix_counters(url)
+    counters = server_counters(url)
     cursor = iter(range(len(work)))
     results: list[dict] = []
     stop_at = time.perf_counter() + seconds
@@ -229,9 +257,14 @@ async def closed_loop(url: str, clients: int, seconds: float, seed: int = 0, *,
         **summarize(results, wall),
         "steady_tok_per_s": steady_rate(results, t0 + seconds / 4, stop_at),
         **steady_latency(results, t0 + seconds / 4, stop_at),
-        "prefix_hit_rate": hit_rate(counters, prefix_counters(url)),
+        **phase_counters(counters, url),
         **gpu.summary(),
     }
+
+
+def phase_counters(before: dict, url: str) -> dict:
+    after = server_counters(url)
+    return {"prefix_hit_rate": hit_rate(before, after), **gc_pauses(before, after)}
 
 
 async def open_loop(url: str, rate: float, seconds: float, seed: int = 0) -> dict:
@@ -240,7 +273,7 @@ async def open_loop(url: str, rate: float, seconds: float, seed: int = 0) -> dic
 
     rng = random.Random(seed + 1)
     work = mixed_requests(100_000, seed)
-    counters = prefix_counters(url)
+    counters = server_counters(url)
     tasks = []
     timeout = aiohttp.ClientTimeout(total=900)
     with GpuSampler() as gpu:
@@ -258,7 +291,7 @@ async def open_loop(url: str, rate: float, seconds: float, seed: int = 0) -> dic
         "mode": "poisson",
         "rate": rate,
         **summarize(list(results), wall),
-        "prefix_hit_rate": hit_rate(counters, prefix_counters(url)),
+        **phase_counters(counters, url),
         **gpu.summary(),
     }
 
@@ -278,10 +311,17 @@ def phase_row(name: str, p: dict, ideal: float | None) -> list:
             f(p.get("steady_ttft_ms_p99"), ".0f"), f(p["itl_ms_p50"], ".1f"),
             f(p["itl_ms_p99"], ".1f"), f(p.get("steady_itl_ms_p99"), ".1f"),
             f"{p['prompt_per_output']:.2f}", f(p["gpu_util_pct"], ".0f"),
-            f(p["gpu_mem_gib"], ".1f"), p["errors"]]  # fmt: skip
+            f(p["gpu_mem_gib"], ".1f"), gc_cell(p), p["errors"]]  # fmt: skip
+
+
+def gc_cell(p: dict) -> str:
+    """A phase's GC pauses: total ms (pauses over 10 ms)."""
+    if "gc_pause_ms" not in p:
+        return "-"
+    return f"{p['gc_pause_ms']:.0f} ({p['gc_pauses_over_10ms']})"
 
 
 PHASE_HEADER = ["load", "output tok/s", "steady tok/s", "/ ideal", "prefix hit rate",
                 "TTFT p50 ms", "TTFT p99 ms", "steady TTFT p99", "ITL p50 ms", "ITL p99 ms",
                 "steady ITL p99", "prompt/output", "GPU util %", "device GiB (all processes)",
-                "errors"]  # fmt: skip
+                "GC pause ms (> 10 ms)", "errors"]  # fmt: skip

@@ -1,0 +1,69 @@
+"""Python's garbage collector on a serving process: what start-up leaves is frozen, and every
+collection's pause is timed.
+
+    settle()     after start-up, on every rank: one full collection, then `gc.freeze()` moves
+                 every object alive (torch, transformers, the model's modules, the tokenizer,
+                 FastAPI: a few hundred thousand) out of the collector's sight. Without it a
+                 full collection walks them all: 150 ms on this project's CPU machine, tens of
+                 ms on a GPU host, every thread stopped meanwhile (the engine's included), and
+                 such collections come every few seconds under load, as the tokens of running
+                 requests survive into the oldest generation. `MPINFER_GC_FREEZE=0` skips it.
+    GcPauses     a `gc.callbacks` hook timing each collection by generation, for /metrics
+                 (`mpinfer_gc_pause_seconds`, a histogram labelled by generation); the load
+                 generator reports each phase's pauses from it
+
+What is not here: the metrics registry (server/streams.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+
+from prometheus_client import CollectorRegistry, Histogram
+
+log = logging.getLogger("mpinfer")
+
+PAUSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+def settle() -> int:
+    """A full collection, then every surviving object frozen (unless MPINFER_GC_FREEZE=0):
+    the objects frozen, 0 when skipped."""
+    if os.environ.get("MPINFER_GC_FREEZE", "1") == "0":
+        return 0
+    t0 = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    log.debug("gc: %d objects frozen after start-up (%.0f ms)", frozen,
+              (time.perf_counter() - t0) * 1e3)  # fmt: skip
+    return frozen
+
+
+class GcPauses:
+    """Times every collection of this process (any thread's) into a histogram by generation.
+    `close()` removes the hook (a test's server, a second State in one process)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.hist = Histogram("mpinfer_gc_pause_seconds",
+                              "garbage-collector pauses of the server's process (every thread "
+                              "waits), by generation", ["generation"], buckets=PAUSE_BUCKETS,
+                              registry=registry)  # fmt: skip
+        self.by_gen = [self.hist.labels(generation=str(g)) for g in range(3)]
+        self.started = 0.0
+        gc.callbacks.append(self._hook)
+
+    def _hook(self, phase: str, info: dict) -> None:
+        # Runs inside the collection, on whichever thread triggered it, with the GIL held: no
+        # other thread can interleave between "start" and "stop", so one clock suffices.
+        if phase == "start":
+            self.started = time.perf_counter()
+        else:
+            self.by_gen[info["generation"]].observe(time.perf_counter() - self.started)
+
+    def close(self) -> None:
+        if self._hook in gc.callbacks:
+            gc.callbacks.remove(self._hook)
