@@ -2,12 +2,12 @@
 collection's pause is timed.
 
     settle()     after start-up, on every rank: one full collection, then `gc.freeze()` moves
-                 every object alive (torch, transformers, the model's modules, the tokenizer,
-                 FastAPI: a few hundred thousand) out of the collector's sight. Without it a
-                 full collection walks them all: 150 ms on this project's CPU machine, tens of
-                 ms on a GPU host, every thread stopped meanwhile (the engine's included), and
-                 such collections come every few seconds under load, as the tokens of running
-                 requests survive into the oldest generation. `MPINFER_GC_FREEZE=0` skips it.
+                 every object alive (torch, transformers, the model's modules, FastAPI: about
+                 234,000 after the imports alone) out of the collector's sight. Without it
+                 each full collection walks them all, every thread stopped meanwhile (the
+                 engine's included): 150 ms on this project's 2-core CPU machine. Full
+                 collections are rare under load (most objects die young), so this trims a
+                 rare tail, not the typical step. `MPINFER_GC_FREEZE=0` skips it.
     GcPauses     a `gc.callbacks` hook timing each collection by generation, for /metrics
                  (`mpinfer_gc_pause_seconds`, a histogram labelled by generation); the load
                  generator reports each phase's pauses from it
