@@ -318,3 +318,21 @@ def test_settle_freezes_what_start_up_left_unless_switched_off(monkeypatch):
     finally:
         gc.unfreeze()
     assert any(o is kept for o in gc.get_objects())
+
+
+def test_the_load_generator_drives_a_running_server_from_its_command_line(server, tmp_path):
+    """`python -m mpinfer.tools.loadgen` against the suite's server: every request answered,
+    the phase's JSON and table written, the collector's pauses of the phase among its figures
+    (the first phase of a fresh process may see none, so their presence is what is checked)."""
+    out = tmp_path / "phase.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mpinfer.tools.loadgen", "--url", server.url, "--clients", "3",
+         "--seconds", "3", "--repeats", "1,2", "--outputs", "4,12", "--out", str(out)],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    phase = json.loads(out.read_text())
+    assert phase["requests"] >= 3 and phase["errors"] == 0, phase
+    assert 4 <= phase["output_tokens"] / phase["requests"] <= 12
+    assert set(phase["gc_collections"]) == {"0", "1", "2"} and phase["gc_pause_ms"] >= 0
+    assert "| 3 clients |" in proc.stdout and out.with_suffix(".md").exists()

@@ -11,6 +11,10 @@ produces exactly what it asked for). Two ways to drive it:
     open loop     requests arriving as a Poisson process at a given rate, whatever the server's
                   pace (the load of many independent users), one phase per rate
 
+Any running server can be driven with it: `python -m mpinfer.tools.loadgen --url
+http://127.0.0.1:8080 --clients 32 --seconds 60` (a closed loop; `--rate R` an open one,
+`--system-words N` a shared opening) prints the phase's table and writes its JSON.
+
 Each phase reports output tokens/s, time to first token p50/p99, inter-token gap p50/p99, the
 prompt tokens per output token of what actually ran, the prefix cache's hit rate over the phase
 (the server's own counters: prompt tokens found in the cache over those looked up; the mix's
@@ -267,12 +271,14 @@ def phase_counters(before: dict, url: str) -> dict:
     return {"prefix_hit_rate": hit_rate(before, after), **gc_pauses(before, after)}
 
 
-async def open_loop(url: str, rate: float, seconds: float, seed: int = 0) -> dict:
-    """Requests of the mix arriving as a Poisson process of `rate` per second for `seconds`."""
+async def open_loop(url: str, rate: float, seconds: float, seed: int = 0, *,
+                    work: list[tuple[str, int]] | None = None) -> dict:  # fmt: skip
+    """Requests of the mix (or `work`) arriving as a Poisson process of `rate` per second for
+    `seconds`."""
     import aiohttp
 
     rng = random.Random(seed + 1)
-    work = mixed_requests(100_000, seed)
+    work = work or mixed_requests(100_000, seed)
     counters = server_counters(url)
     tasks = []
     timeout = aiohttp.ClientTimeout(total=900)
@@ -325,3 +331,45 @@ PHASE_HEADER = ["load", "output tok/s", "steady tok/s", "/ ideal", "prefix hit r
                 "TTFT p50 ms", "TTFT p99 ms", "steady TTFT p99", "ITL p50 ms", "ITL p99 ms",
                 "steady ITL p99", "prompt/output", "GPU util %", "device GiB (all processes)",
                 "GC pause ms (> 10 ms)", "errors"]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from .report import md_table, save_result
+
+    p = argparse.ArgumentParser(prog="python -m mpinfer.tools.loadgen",
+                                description="the mix against a running server")  # fmt: skip
+    p.add_argument("--url", default="http://127.0.0.1:8080")
+    p.add_argument("--clients", type=int, default=32, help="closed-loop clients")
+    p.add_argument("--rate", type=float, help="an open loop at this many requests a second")
+    p.add_argument("--seconds", type=float, default=60)
+    p.add_argument("--system-words", type=int, default=0, help="a shared opening this long")
+    p.add_argument(
+        "--repeats",
+        default=",".join(map(str, REPEATS)),
+        help="a prompt's sentence is repeated one of these many times",
+    )
+    p.add_argument(
+        "--outputs",
+        default=",".join(map(str, OUTPUT_RANGE)),
+        help="new tokens a request, drawn uniformly from LO,HI",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/results/loadgen.json")
+    a = p.parse_args(argv)
+    system = system_prompt(a.system_words) if a.system_words else ""
+    work = mixed_requests(100_000, a.seed, system=system,
+                          repeats=[int(k) for k in a.repeats.split(",")],
+                          outputs=tuple(int(n) for n in a.outputs.split(",")))  # fmt: skip
+    if a.rate:
+        phase = asyncio.run(open_loop(a.url, a.rate, a.seconds, a.seed, work=work))
+    else:
+        phase = asyncio.run(closed_loop(a.url, a.clients, a.seconds, a.seed, work=work))
+    name = f"{a.rate} req/s" if a.rate else f"{a.clients} clients"
+    save_result(phase, a.out, md_table(PHASE_HEADER, [phase_row(name, phase, None)]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
