@@ -29,6 +29,7 @@ at the batch-32 graph step.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -37,6 +38,8 @@ import threading
 import time
 
 import httpx
+
+from .report import md_table, save_result
 
 WORDS = "the river runs past the old stone bridge tonight".split()
 REPEATS = (1, 4, 16, 64)
@@ -334,10 +337,6 @@ PHASE_HEADER = ["load", "output tok/s", "steady tok/s", "/ ideal", "prefix hit r
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from .report import md_table, save_result
-
     p = argparse.ArgumentParser(prog="python -m mpinfer.tools.loadgen",
                                 description="the mix against a running server")  # fmt: skip
     p.add_argument("--url", default="http://127.0.0.1:8080")
