@@ -263,38 +263,50 @@ def test_bench_gpu_table_shows_a_dash_for_a_batch_it_did_not_run():
     assert line.split(" | ")[3:7] == ["-", "-", f"{b32:.2f}", "-"], line
 
 
-def test_the_load_generator_reads_a_phases_gc_pauses_off_the_servers_histogram():
+def test_the_load_generator_reads_a_phases_gc_pauses_off_the_servers_histogram(monkeypatch):
     """Collections between two readings of the server's /metrics page are counted by
-    generation, with their time and how many took over 10 ms (a heap of a million containers
-    makes a full collection that long on any machine); before and after only differ by them."""
+    generation, with their time and how many took over 10 ms; before and after only differ by
+    them. Real collections show the hook is installed; their durations come from a fake clock
+    (random, on both sides of 10 ms and on the bound itself), so no machine's speed decides."""
     import gc
+    import random
 
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from mpinfer.startup.heap import GcPauses
+    from mpinfer.startup import heap
     from mpinfer.tools.loadgen import gc_pauses, parse_counters
 
     registry = CollectorRegistry()
-    pauses = GcPauses(registry)
+    pauses = heap.GcPauses(registry)
     try:
-        before = parse_counters(generate_latest(registry).decode())
+        page = lambda: parse_counters(generate_latest(registry).decode())  # noqa: E731
+        before = page()
         assert gc_pauses(before, before) == {
             "gc_collections": {"0": 0, "1": 0, "2": 0},
             "gc_pause_ms": 0.0,
             "gc_pauses_over_10ms": 0,
         }
-        heap = [[i] for i in range(1_000_000)]
-        full = 3
-        for _ in range(full):
-            gc.collect()
         gc.collect(1)
-        got = gc_pauses(before, parse_counters(generate_latest(registry).decode()))
-        del heap
+        gc.collect()
+        real = gc_pauses(before, page())
+        assert real["gc_collections"]["1"] >= 1 and real["gc_collections"]["2"] >= 1, real
+        rng, clock = random.Random(), [0.0]
+        monkeypatch.setattr(heap.time, "perf_counter", lambda: clock[0])
+        before, want = page(), {"0": 0, "1": 0, "2": 0}
+        took = [rng.choice([0.01, rng.uniform(0, 0.02), rng.uniform(0.5, 2)]) for _ in range(40)]
+        gens = [rng.randrange(3) for _ in took]
+        for t, g in zip(took, gens):
+            clock[0] = 0.0
+            pauses._hook("start", {"generation": g})
+            clock[0] = t
+            pauses._hook("stop", {"generation": g})
+            want[str(g)] += 1
+        got = gc_pauses(before, page())
     finally:
         pauses.close()
-    assert got["gc_collections"]["2"] >= full and got["gc_collections"]["1"] >= 1
-    assert got["gc_pauses_over_10ms"] >= full
-    assert got["gc_pause_ms"] >= full * 10
+    assert got["gc_collections"] == want
+    assert got["gc_pauses_over_10ms"] == sum(t > 0.01 for t in took)
+    assert abs(got["gc_pause_ms"] - 1e3 * sum(took)) < 1e-6
     assert pauses._hook not in gc.callbacks
 
 

@@ -9,7 +9,8 @@ collection's pause is timed.
                  collections are rare under load (most objects die young), so this trims a
                  rare tail, not the typical step. `MPINFER_GC_FREEZE=0` skips it.
     GcPauses     a `gc.callbacks` hook timing each collection by generation, for /metrics
-                 (`mpinfer_gc_pause_seconds`, a histogram labelled by generation); the load
+                 (`mpinfer_gc_pause_seconds`, a histogram labelled by generation, and
+                 `mpinfer_gc_frozen_objects`, what settle froze); the load
                  generator reports each phase's pauses from it
 
 What is not here: the metrics registry (server/streams.py).
@@ -17,12 +18,15 @@ What is not here: the metrics registry (server/streams.py).
 
 from __future__ import annotations
 
+import bisect
 import gc
+import itertools
 import logging
 import os
 import time
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 log = logging.getLogger("mpinfer")
 
@@ -44,16 +48,18 @@ def settle() -> int:
 
 
 class GcPauses:
-    """Times every collection of this process (any thread's) into a histogram by generation.
-    `close()` removes the hook (a test's server, a second State in one process)."""
+    """Times every collection of this process (any thread's) into a histogram by generation,
+    a prometheus_client collector read when /metrics is scraped. `close()` removes the hook (a
+    test's server, a second State in one process)."""
 
     def __init__(self, registry: CollectorRegistry):
-        self.hist = Histogram("mpinfer_gc_pause_seconds",
-                              "garbage-collector pauses of the server's process (every thread "
-                              "waits), by generation", ["generation"], buckets=PAUSE_BUCKETS,
-                              registry=registry)  # fmt: skip
-        self.by_gen = [self.hist.labels(generation=str(g)) for g in range(3)]
+        # per generation: pauses at or under each bound, then over the last; seconds in all.
+        # Plain lists, no lock: the hook runs inside an allocation of any thread, possibly one
+        # holding a metrics lock, so it must take none (and it allocates nothing to collect).
+        self.counts = [[0] * (len(PAUSE_BUCKETS) + 1) for _ in range(3)]
+        self.sums = [0.0] * 3
         self.started = 0.0
+        registry.register(self)
         gc.callbacks.append(self._hook)
 
     def _hook(self, phase: str, info: dict) -> None:
@@ -61,8 +67,25 @@ class GcPauses:
         # other thread can interleave between "start" and "stop", so one clock suffices.
         if phase == "start":
             self.started = time.perf_counter()
-        else:
-            self.by_gen[info["generation"]].observe(time.perf_counter() - self.started)
+            return
+        took, g = time.perf_counter() - self.started, info["generation"]
+        self.counts[g][bisect.bisect_left(PAUSE_BUCKETS, took)] += 1
+        self.sums[g] += took
+
+    def collect(self):
+        h = HistogramMetricFamily("mpinfer_gc_pause_seconds", "garbage-collector pauses of the "
+                                  "server's process (every thread waits), by generation",
+                                  labels=["generation"])  # fmt: skip
+        for g in range(3):
+            counts = list(itertools.accumulate(self.counts[g]))
+            h.add_metric([str(g)], [*zip(map(str, PAUSE_BUCKETS), counts), ("+Inf", counts[-1])],
+                         self.sums[g])  # fmt: skip
+        yield h
+        yield GaugeMetricFamily(
+            "mpinfer_gc_frozen_objects",
+            "objects start-up left, frozen out of the collector's walks (settle)",
+            value=gc.get_freeze_count(),
+        )
 
     def close(self) -> None:
         if self._hook in gc.callbacks:
