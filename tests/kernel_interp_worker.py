@@ -118,6 +118,12 @@ def main() -> int:
             y = w4a16.w4a16_matmul(x, p, s4, o4, b, gelu=True, residual=res, config=cfg)
             ok &= check(f"int4 sym={sym} {M} rows {cfg}", y,
                         fused(x.float() @ w.T + b.float(), True, res))  # fmt: skip
+            # the packed one-row loop's other forms (w4a16.FORM): the same sums in other layouts
+            for form in (1, 2) if "magic8" in cfg or "magic9" in cfg else ():
+                y = w4a16.w4a16_matmul(x, p, s4, o4, b, gelu=True, residual=res, config=cfg,
+                                       form=form)  # fmt: skip
+                ok &= check(f"int4 sym={sym} {M} rows {cfg} form {form}", y,
+                            fused(x.float() @ w.T + b.float(), True, res))  # fmt: skip
     # magic7, magic8 and magic9 where a group's offset is far past its range (z * sum(x) dwarfs
     # s * sum(q x): a dropped or misplaced offset term shows) and where a group is constant
     w = torch.randn(N, K, generator=g)
@@ -131,12 +137,14 @@ def main() -> int:
                    (1, "fma n32 k128 split2 pf1 magic8 w4 s1"),
                    (1, "fma n32 k128 split2 pf0 magic9 w4 s3")]:  # fmt: skip
         x = torch.randn(M, K, generator=g).to(dt)
-        y = w4a16.w4a16_matmul(x, p, s4, o4, None, config=cfg)
-        ref = x.float() @ w.T
-        ok &= check(f"int4 offset-heavy groups {M} rows {cfg}", y, ref)
-        tight = ((y.float() - ref).abs() / (x.float().abs() @ w.abs().T)).max().item()
-        print(f"  error / sum |x w|: {tight:.1e} {'ok' if tight < 2e-3 else 'FAIL'}", flush=True)
-        ok &= tight < 2e-3
+        for form in (0, 1) if "magic8" in cfg or "magic9" in cfg else (0,):
+            y = w4a16.w4a16_matmul(x, p, s4, o4, None, config=cfg, form=form)
+            ref = x.float() @ w.T
+            ok &= check(f"int4 offset-heavy groups {M} rows {cfg} form {form}", y, ref)
+            tight = ((y.float() - ref).abs() / (x.float().abs() @ w.abs().T)).max().item()
+            print(f"  error / sum |x w|: {tight:.1e} {'ok' if tight < 2e-3 else 'FAIL'}",
+                  flush=True)  # fmt: skip
+            ok &= tight < 2e-3
     for G in (64, 128):
         p, s4, o4 = quantize_int4(torch.randn(37, 512, generator=g), G)
         ok &= check(

@@ -9,49 +9,44 @@ bloom-7b1 and the 176B tp-8 rank, in CUDA graphs cycling through weight copies p
 tiles of 64-256 bytes a row an iteration (the one-row W4A16 loop's are 64 or 128: one group of
 128, or two), the W4A16 matmul with its tuned config (groups of 128); then, per shape, the
 one-row W4A16 launch with each config of --configs (';'-separated, "split{}" filled with 2, 3,
-4 and 6: the best of them) beside the table's.
-python3 -m mpinfer.tools.diag.access_pattern [--int4 [--configs "fma n32 ... split{} ..."]]"""
+4 and 6: the best of them) beside the table's; --ablate: the table's one-row launch in each of
+the packed loop's forms (w4a16.FORM) and, in form 0, with parts of its work left out (no scale
+and offset loads, no x loads, no weight loads, no arithmetic): what each part costs.
+python3 -m mpinfer.tools.diag.access_pattern [--int4 [--configs "fma n32 ... split{} ..."]
+    [--ablate]]"""
 
 import sys
 
 import torch
-import triton
-import triton.language as tl
 
 from mpinfer.model.kernels.w4a16 import w4a16_matmul
 from mpinfer.model.kernels.w8a16 import w8a16_matmul
 
-from .common import graph_us, read_chunks
-
-
-@triton.jit
-def _tiles(w_ptr, out_ptr, K, split, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), split) * BLOCK_K
-    k_lo = pid_k * k_per
-    k_hi = tl.minimum(K, k_lo + k_per)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ptrs = w_ptr + rows[:, None].to(tl.int64) * K + k_lo + tl.arange(0, BLOCK_K)[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
-    for _ in range(k_lo, k_hi, BLOCK_K):
-        acc += tl.load(ptrs).to(tl.int32)
-        ptrs += BLOCK_K
-    tl.store(out_ptr + pid_n * split + pid_k, tl.sum(tl.sum(acc, axis=1), axis=0))
-
+from .common import graph_us, read_chunks, read_tiles
 
 SHAPES = [("7b1 qkv", 12288, 4096), ("7b1 dense", 4096, 4096), ("7b1 fc1", 16384, 4096),
           ("7b1 fc2", 4096, 16384), ("176b/8 qkv", 5376, 14336), ("176b/8 dense", 14336, 1792),
           ("176b/8 fc1", 7168, 14336), ("176b/8 fc2", 14336, 7168)]  # fmt: skip
 INT4 = "--int4" in sys.argv[1:]
 CONFIGS = sys.argv[sys.argv.index("--configs") + 1].split(";") if "--configs" in sys.argv else []
-assert INT4 or not CONFIGS, "--configs: one-row int4 configs, with --int4"
+ABLATE = "--ablate" in sys.argv[1:]
+assert INT4 or not (CONFIGS or ABLATE), "--configs, --ablate: one-row int4 launches, with --int4"
+# (label, w4a16_matmul's keywords): the packed loop's forms, then form 0 with parts left out
+VARIANTS = [("form 1 (words' layout)", dict(form=1)),
+            ("form 2 (and scales by PTX)", dict(form=2)),
+            ("no scale/offset loads", dict(form=0, ablate=1)),
+            ("no x loads", dict(form=0, ablate=2)),
+            ("weights alone loaded", dict(form=0, ablate=3)),
+            ("no weight loads", dict(form=0, ablate=4)),
+            ("loads, no arithmetic", dict(form=0, ablate=8))]  # fmt: skip
 if INT4:  # (name, N, K): K inputs, K / 2 bytes a row
     SHAPES = [("7b1 qkv", 12288, 4096), ("7b1 fc2", 4096, 16384), ("176b qkv", 43008, 14336),
               ("176b dense", 14336, 14336), ("176b fc1", 57344, 14336),
               ("176b fc2", 14336, 57344)]  # fmt: skip
 TILINGS = ([(64, 64, 2), (64, 128, 2), (64, 128, 4), (64, 256, 4), (128, 128, 4), (32, 256, 4)]
            if INT4 else [(16, 256, 4), (64, 128, 4), (64, 256, 4), (32, 256, 4)])  # fmt: skip
+if ABLATE:  # round 17's best tiling of every int4 shape, to leave time for the variants
+    TILINGS = [(32, 256, 4)]
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 pool = torch.randint(-127, 128, (2 << 30,), dtype=torch.int8, device="cuda")
 out = torch.empty(1 << 20, dtype=torch.int32, device="cuda")
@@ -79,7 +74,7 @@ for name, N, K_in in SHAPES:
             if programs < sms or K // bk < split:
                 continue
             calls = [lambda v=v, s=split, bn=bn, bk=bk, w=warps, N=N, K=K:
-                     _tiles[(N // bn, s)](v, out, K, s, BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
+                     read_tiles[(N // bn, s)](v, out, K, s, BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
                      for v in views]  # fmt: skip
             best_t = min(best_t, (graph_us(calls * reps), f"n{bn} k{bk} split{split}"))
     scale = torch.rand(N, device="cuda") / 100
@@ -88,10 +83,10 @@ for name, N, K_in in SHAPES:
     s4 = torch.rand(K_in // 128, N, device="cuda", dtype=torch.float16) / 100  # int4's groups
     z4 = -8 * s4
 
-    def matmul_us(config=None):  # the launch over every weight copy, in one graph
+    def matmul_us(config=None, **kw):  # the launch over every weight copy, in one graph
         if INT4:
             calls = [lambda v=v: w4a16_matmul(x, v.view(torch.uint8).view(N, K), s4, z4, bias,
-                                              config=config) for v in views]  # fmt: skip
+                                              config=config, **kw) for v in views]  # fmt: skip
         else:
             calls = [lambda v=v: w8a16_matmul(x, v.view(N, K), scale, bias) for v in views]
         return graph_us(calls * reps)
@@ -99,6 +94,13 @@ for name, N, K_in in SHAPES:
     mm = matmul_us()
     print(f"| {name} | {size / 1e6:.0f} | {best_c:.1f} | {best_t[0]:.1f} | {best_t[1]} | "
           f"{mm:.1f} | {mm - best_c:.1f} |", flush=True)  # fmt: skip
+    for label, kw in VARIANTS if ABLATE else []:
+        try:
+            us = matmul_us(**kw)
+            print(f"    {name}: {label}: {us:.1f} us ({us / mm:.2f} x the table's; "
+                  f"{size / us / 1e6:.2f} TB/s)", flush=True)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported
+            print(f"    {name}: {label}: {type(e).__name__}: {str(e)[:160]}", flush=True)
     for template in CONFIGS:  # the same launch with other configs: the best split of each
         found = []
         for split in (2, 3, 4, 6):

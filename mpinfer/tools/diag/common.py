@@ -37,3 +37,22 @@ def graph_us(calls, reps: int = 5) -> float:
         torch.cuda.synchronize()
         best = min(best, a.elapsed_time(b) * 1e3 / len(calls))
     return best
+
+
+@triton.jit
+def read_tiles(w_ptr, out_ptr, K, split, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Programs own BLOCK_N rows (K bytes apart) and a split's run of K, and step through it
+    BLOCK_K bytes of each row at a time, as the weight-only matmuls walk their weights: the
+    bytes summed, no other arithmetic."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), split) * BLOCK_K
+    k_lo = pid_k * k_per
+    k_hi = tl.minimum(K, k_lo + k_per)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ptrs = w_ptr + rows[:, None].to(tl.int64) * K + k_lo + tl.arange(0, BLOCK_K)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
+    for _ in range(k_lo, k_hi, BLOCK_K):
+        acc += tl.load(ptrs).to(tl.int32)
+        ptrs += BLOCK_K
+    tl.store(out_ptr + pid_n * split + pid_k, tl.sum(tl.sum(acc, axis=1), axis=0))
