@@ -67,10 +67,10 @@
 #             the exact loop, 64-key tiles; its GPU tests; the int8-KV mix at a 256 cap by arm
 #   rank-fit  one card of the 176B 8x24 GB configs (int8, int4) on one GPU: a simulated tp-8
 #             rank started under 24,564 MiB, its stages and KV pool against the plan, a burst
-#   r21-int4-form  the one-row int4 loop (magic8/9) in its three forms (w4a16.FORM) and with
+#   r21-int4-form  the one-row int4 loop (magic8/9) in its four forms (w4a16.FORM) and with
 #             parts of its work left out, beside plain reads; Nsight Compute on BLOOM-176B's qkv
-#             (forms 0 and 2, and the tiled read); bloom-7b1 int4 decode by form, alternating;
-#             the magic8/9 family test in form 2
+#             (forms 0, 2 and 3, and the tiled read); bloom-7b1 int4 decode by form, alternating;
+#             the magic8/9 family test in the form the launches preferred
 #   ncu       Nsight Compute's counters of single matmul launches (NCU_RUNS, diag.matmul_profile)
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
@@ -425,13 +425,19 @@ r21-int4-form)  # is the one-row int4 loop held back by its shared-memory exchan
         --clock-control none -k "regex:_w4a16|read_tiles" --section SpeedOfLight \
         --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
         --section Occupancy python3 -m mpinfer.tools.diag.matmul_profile --shape 43008x14336 \
-        --rows 1 --bits 4 --no-cublas --forms 0,2 --read "n32 k256 split6" "$cfg"
-    for f in ${FORMS:-0 2 0 2}; do
+        --rows 1 --bits 4 --no-cublas --forms 0,2,3 --read "n32 k256 split6" "$cfg"
+    # the form the launches above preferred (geometric mean of its time over the table's)
+    best=$(python3 -c "import math, re, sys; r = {}
+for m in re.finditer(r': form (\\d) .*?: [\\d.]+ us \\(([\\d.]+) x', open(sys.argv[1]).read()):
+    r.setdefault(m[1], []).append(math.log(float(m[2])))
+print(min(r, key=lambda f: sum(r[f]) / len(r[f])) if r else 2)" "$RES/int4-ablate.log")
+    echo "decode A/B: form 0 against form $best"
+    for f in ${FORMS:-0 $best 0 $best}; do
         TAIL=6 stage "int4-7b1-form$f-$SECONDS" "${INT4_TIME:-70}" env MPINFER_INT4_FORM=$f bench \
             gpu --shape bloom-7b1 --rows mpinfer-int4 --batches 1,8 --context 128 \
             --out "$RES/int4-7b1-form$f-$SECONDS.json"
     done
-    TAIL=8 stage gpu-tests-form "${TEST_TIME:-120}" env MPINFER_INT4_FORM="${TEST_FORM:-2}" \
+    TAIL=8 stage gpu-tests-form "${TEST_TIME:-120}" env MPINFER_INT4_FORM="${TEST_FORM:-$best}" \
         MPINFER_FAMILY_ONLY=magic8,magic9 bash -c 'gpu_tests -k "every_config_family and dtype0-4"' ;;
 ncu)  # Nsight Compute's counters of single launches (NCU_RUNS: ';'-separated argument lists of
     # diag.matmul_profile: shape, rows, bits, configs)

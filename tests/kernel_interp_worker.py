@@ -119,7 +119,7 @@ def main() -> int:
             ok &= check(f"int4 sym={sym} {M} rows {cfg}", y,
                         fused(x.float() @ w.T + b.float(), True, res))  # fmt: skip
             # the packed one-row loop's other forms (w4a16.FORM): the same sums in other layouts
-            for form in (1, 2) if "magic8" in cfg or "magic9" in cfg else ():
+            for form in (1, 2, 3) if "magic8" in cfg or "magic9" in cfg else ():
                 y = w4a16.w4a16_matmul(x, p, s4, o4, b, gelu=True, residual=res, config=cfg,
                                        form=form)  # fmt: skip
                 ok &= check(f"int4 sym={sym} {M} rows {cfg} form {form}", y,

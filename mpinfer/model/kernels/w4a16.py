@@ -73,9 +73,11 @@ from .w4a16_convert import (
     _word_group_xs_flat,
 )
 
-# The packed one-row loop's form (MAGIC 8 and 9): 0 sums runs of words (a reshape), 1 keeps the
-# words' layout, 2 also loads scales and offsets in it (MPINFER_INT4_FORM: a diagnostic switch
-# until the GPU has timed them; `form=` per call).
+# The packed one-row loop's form (MAGIC 8 and 9): 0 sums runs of words, 1 keeps the words'
+# layout (no runs), 2 is 1 with scales and offsets loaded by PTX in that layout, 3 is 0 with them
+# loaded so (MPINFER_INT4_FORM: a diagnostic switch until the GPU has timed them; `form=` per
+# call). Forms 0 and 1 load scales in the layout that coalesces them, then move them between
+# threads through shared memory every tile, with barriers; 2 and 3 do not.
 FORM = int(os.environ.get("MPINFER_INT4_FORM", "0"))
 
 
@@ -214,7 +216,8 @@ def _w4a16(
                    + g_lo * WORDS + offs_w)  # fmt: skip
             x64 = x_ptr.to(tl.pointer_type(tl.int64)) + g_lo * (BLOCK_K // 4) + offs_w
             sz = g_lo * N + rows_c[:, None]  # (BLOCK_N, 1): scales' and offsets' offsets
-            if FORM == 0:
+            FLAT: tl.constexpr = FORM == 1 or FORM == 2
+            if not FLAT:
                 acc3 = tl.zeros((BLOCK_N, GP, WORDS // WORD_RUN), dtype=tl.float32)
             else:
                 acc3 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
@@ -245,7 +248,7 @@ def _w4a16(
                 z = tl.where(keep, z, 0.0)
                 if ABLATE & 8:  # no arithmetic but what keeps every load used (FORM 0)
                     acc3 += _word_light(b, s, z, xl, xh, xg)[:, :, None]
-                elif FORM == 0:
+                elif not FLAT:
                     acc3 += _word_sums(b, s, z, xl, xh, xg, BLOCK_N, GP, WORDS, MAGIC)
                 else:
                     p, zx = _word_sums_flat(b, s, z, xl, xh, xg, MAGIC)
@@ -254,7 +257,7 @@ def _w4a16(
                 w32 += GP * WORDS
                 x64 += GP * 2 * WORDS
                 sz += GP * N
-            if FORM == 0:
+            if not FLAT:
                 acc = tl.sum(tl.sum(acc3, axis=2), axis=1)  # (BLOCK_N,)
             else:
                 acc = tl.sum(acc3, axis=1) + tl.sum(acc_z, axis=1)
@@ -305,7 +308,7 @@ def _word_weights(w32, s_ptr, z_ptr, sz, gi, N, WORDS: tl.constexpr, FORM: tl.co
                   ABLATE: tl.constexpr = 0):  # fmt: skip
     """The packed loop's weight loads of a tile, its groups gi from the tile's first (w32, sz:
     that group's pointers and scale offsets): words (BLOCK_N, GP, WORDS), scales and offsets
-    (BLOCK_N, GP). FORM 2 loads the scales and offsets by PTX (_ld_slice). ABLATE & 4: no words
+    (BLOCK_N, GP). FORM 2 and 3 load the scales and offsets by PTX (_ld_slice). ABLATE & 4: no words
     loaded; & 1: no scales or offsets."""
     if ABLATE & 4:
         b = tl.zeros(w32.shape, dtype=tl.int32) + 0x12345678 + gi[None, :, None]
@@ -314,7 +317,7 @@ def _word_weights(w32, s_ptr, z_ptr, sz, gi, N, WORDS: tl.constexpr, FORM: tl.co
     if ABLATE & 1:
         s = tl.zeros(sz.shape, dtype=tl.float16) + gi[None, :].to(tl.float16) + 0.01
         z = s
-    elif FORM == 2:
+    elif FORM >= 2:
         s = _ld_slice(s_ptr + sz + gi[None, :] * N)
         z = _ld_slice(z_ptr + sz + gi[None, :] * N)
     else:

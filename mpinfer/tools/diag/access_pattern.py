@@ -34,6 +34,7 @@ assert INT4 or not (CONFIGS or ABLATE), "--configs, --ablate: one-row int4 launc
 # (label, w4a16_matmul's keywords): the packed loop's forms, then form 0 with parts left out
 VARIANTS = [("form 1 (words' layout)", dict(form=1)),
             ("form 2 (and scales by PTX)", dict(form=2)),
+            ("form 3 (runs, scales by PTX)", dict(form=3)),
             ("no scale/offset loads", dict(form=0, ablate=1)),
             ("no x loads", dict(form=0, ablate=2)),
             ("weights alone loaded", dict(form=0, ablate=3)),
