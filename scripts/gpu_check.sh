@@ -432,13 +432,13 @@ for m in re.finditer(r': form (\\d) .*?: [\\d.]+ us \\(([\\d.]+) x', open(sys.ar
     r.setdefault(m[1], []).append(math.log(float(m[2])))
 print(min(r, key=lambda f: sum(r[f]) / len(r[f])) if r else 2)" "$RES/int4-ablate.log")
     echo "decode A/B: form 0 against form $best"
+    TAIL=8 stage gpu-tests-form "${TEST_TIME:-100}" env MPINFER_INT4_FORM="${TEST_FORM:-$best}" \
+        MPINFER_FAMILY_ONLY=magic8,magic9 bash -c 'gpu_tests -k "every_config_family and dtype0-4"'
     for f in ${FORMS:-0 $best 0 $best}; do
         TAIL=6 stage "int4-7b1-form$f-$SECONDS" "${INT4_TIME:-70}" env MPINFER_INT4_FORM=$f bench \
             gpu --shape bloom-7b1 --rows mpinfer-int4 --batches 1,8 --context 128 \
             --out "$RES/int4-7b1-form$f-$SECONDS.json"
-    done
-    TAIL=8 stage gpu-tests-form "${TEST_TIME:-120}" env MPINFER_INT4_FORM="${TEST_FORM:-$best}" \
-        MPINFER_FAMILY_ONLY=magic8,magic9 bash -c 'gpu_tests -k "every_config_family and dtype0-4"' ;;
+    done ;;
 ncu)  # Nsight Compute's counters of single launches (NCU_RUNS: ';'-separated argument lists of
     # diag.matmul_profile: shape, rows, bits, configs)
     IFS=';' read -ra runs <<< "${NCU_RUNS:?NCU_RUNS: e.g. --shape 12288x4096 --rows 512 CONFIG}"
