@@ -67,10 +67,11 @@
 #             the exact loop, 64-key tiles; its GPU tests; the int8-KV mix at a 256 cap by arm
 #   rank-fit  one card of the 176B 8x24 GB configs (int8, int4) on one GPU: a simulated tp-8
 #             rank started under 24,564 MiB, its stages and KV pool against the plan, a burst
-#   r21-int4-form  the one-row int4 loop (magic8/9) in its four forms (w4a16.FORM) and with
-#             parts of its work left out, beside plain reads; Nsight Compute on BLOOM-176B's qkv
-#             (forms 0, 2 and 3, and the tiled read); bloom-7b1 int4 decode by form, alternating;
-#             the magic8/9 family test in the form the launches preferred
+#   r21-int4-lines  the one-row int4 loop (magic8/9) loading whole lines (w4a16.LINES) and
+#             with parts of its work left out, beside plain reads; Nsight Compute on BLOOM-176B's
+#             qkv; the one-row launches re-tuned with whole lines; the family test; decode
+#             steps (bloom-7b1; BLOOM-176B where it fits), shipped against lines, alternating
+#             (r21-int4-ab: those steps alone, on the same warm machine)
 #   ncu       Nsight Compute's counters of single matmul launches (NCU_RUNS, diag.matmul_profile)
 #   int4      decode steps of int4 beside int8 (bloom-7b1); int4-176b: BLOOM-176B int4 whole on
 #             one GPU
@@ -414,31 +415,44 @@ rank-fit)  # the headline config's one card on one GPU: rank 0 of BLOOM-176B at 
             mpinfer.tools.diag.startup_memory bloom-176b 24564MiB --simulate-tp 8 \
             --config "configs/$c.toml" --out "$RES/rank-fit-$c.json"
     done ;;
-r21-int4-form)  # is the one-row int4 loop held back by its shared-memory exchanges (form 0
-    # moves scales between layouts every tile, with barriers), its loads or its arithmetic?
-    TAIL=70 stage int4-ablate "${ABLATE_TIME:-240}" python3 -m mpinfer.tools.diag.access_pattern \
+r21-int4-lines)  # the one-row int4 loop (magic8/9) loading whole 128-byte lines of 4 rows
+    # (w4a16.LINES) against half lines of 8 (shipped): the launches and parts of their work left
+    # out (round 21: the loads alone take as long as the whole loop), Nsight Compute on
+    # BLOOM-176B's qkv beside a plain tiled read, the one-row launches re-tuned with whole lines,
+    # the family test, then decode steps: shipped table and loads against re-tuned and lines
+    TAIL=60 stage int4-ablate "${ABLATE_TIME:-200}" python3 -m mpinfer.tools.diag.access_pattern \
         --int4 --ablate
     cfg=$(python3 -c "import torch; from mpinfer.model.kernels import tuning; print(
         tuning.lookup(torch.cuda.get_device_name(), 'float16', 1, 43008, 14336, bits=4, group=128)
         or 'fma n64 k128 split3 pf1 magic9 w2 s3')")
-    TAIL=${NCU_TAIL:-110} stage ncu-176b-qkv "${NCU_TIME:-120}" ncu --profile-from-start off \
-        --clock-control none -k "regex:_w4a16|read_tiles" --section SpeedOfLight \
-        --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-        --section Occupancy python3 -m mpinfer.tools.diag.matmul_profile --shape 43008x14336 \
-        --rows 1 --bits 4 --no-cublas --forms 0,2,3 --read "n32 k256 split6" "$cfg"
-    # the form the launches above preferred (geometric mean of its time over the table's)
-    best=$(python3 -c "import math, re, sys; r = {}
-for m in re.finditer(r': form (\\d) .*?: [\\d.]+ us \\(([\\d.]+) x', open(sys.argv[1]).read()):
-    r.setdefault(m[1], []).append(math.log(float(m[2])))
-print(min(r, key=lambda f: sum(r[f]) / len(r[f])) if r else 2)" "$RES/int4-ablate.log")
-    echo "decode A/B: form 0 against form $best"
-    TAIL=8 stage gpu-tests-form "${TEST_TIME:-100}" env MPINFER_INT4_FORM="${TEST_FORM:-$best}" \
+    [ "${NCU_TIME:-100}" -gt 0 ] && TAIL=${NCU_TAIL:-8} stage ncu-176b-qkv "${NCU_TIME:-100}" ncu \
+        --profile-from-start off --clock-control none -k "regex:_w4a16|read_tiles" \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+        --section MemoryWorkloadAnalysis --section Occupancy python3 -m \
+        mpinfer.tools.diag.matmul_profile --shape 43008x14336 --rows 1 --bits 4 --no-cublas \
+        --lines --read "n32 k256 split6" "$cfg"
+    cp "$table" /tmp/table-shipped.json
+    TAIL=12 stage tune-int4-lines "${TUNE4_TIME:-200}" env MPINFER_INT4_LINES=1 python3 -m \
+        mpinfer.cli bench kernels --tune "$table" --quant int4 --rows 1 \
+        --models "${MODELS4:-bloom-7b1,bloom-176b}" --out "$RES/tune-int4-lines.json"
+    cp "$table" /tmp/table-lines.json; cp "$table" "$RES/table-lines.json"
+    TAIL=8 stage gpu-tests-lines "${TEST_TIME:-100}" env MPINFER_INT4_LINES=1 \
         MPINFER_FAMILY_ONLY=magic8,magic9 bash -c 'gpu_tests -k "every_config_family and dtype0-4"'
-    for f in ${FORMS:-0 $best 0 $best}; do
-        TAIL=6 stage "int4-7b1-form$f-$SECONDS" "${INT4_TIME:-70}" env MPINFER_INT4_FORM=$f bench \
-            gpu --shape bloom-7b1 --rows mpinfer-int4 --batches 1,8 --context 128 \
-            --out "$RES/int4-7b1-form$f-$SECONDS.json"
-    done ;;
+    ;&
+r21-int4-ab)  # after r21-int4-lines on the same machine (its tables in /tmp): decode steps,
+    # the shipped table and loads against the re-tuned table and whole lines, alternating
+    big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits)
+    for arm in ${ARMS:-shipped lines shipped lines}; do
+        cp "/tmp/table-$arm.json" "$table"
+        lines=$([ "$arm" = lines ] && echo 1 || echo 0)
+        TAIL=6 stage "int4-7b1-$arm-$SECONDS" "${INT4_TIME:-70}" env MPINFER_INT4_LINES=$lines \
+            python3 -m mpinfer.cli bench gpu --shape bloom-7b1 --rows mpinfer-int4 --batches 1,8 \
+            --context 128 --out "$RES/int4-7b1-$arm-$SECONDS.json"
+        [ "$big" -gt 120000 ] && TAIL=6 stage "int4-176b-$arm-$SECONDS" "${INT4_176B_TIME:-150}" \
+            env MPINFER_INT4_LINES=$lines python3 -m mpinfer.cli bench gpu --shape bloom-176b \
+            --rows mpinfer-int4 --batches 1,8 --out "$RES/int4-176b-$arm-$SECONDS.json"
+    done
+    cp /tmp/table-lines.json "$table" ;;
 ncu)  # Nsight Compute's counters of single launches (NCU_RUNS: ';'-separated argument lists of
     # diag.matmul_profile: shape, rows, bits, configs)
     IFS=';' read -ra runs <<< "${NCU_RUNS:?NCU_RUNS: e.g. --shape 12288x4096 --rows 512 CONFIG}"

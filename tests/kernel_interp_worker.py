@@ -118,11 +118,10 @@ def main() -> int:
             y = w4a16.w4a16_matmul(x, p, s4, o4, b, gelu=True, residual=res, config=cfg)
             ok &= check(f"int4 sym={sym} {M} rows {cfg}", y,
                         fused(x.float() @ w.T + b.float(), True, res))  # fmt: skip
-            # the packed one-row loop's other forms (w4a16.FORM): the same sums in other layouts
-            for form in (1, 2, 3) if "magic8" in cfg or "magic9" in cfg else ():
+            if "magic8" in cfg or "magic9" in cfg:  # the packed loop loading whole lines
                 y = w4a16.w4a16_matmul(x, p, s4, o4, b, gelu=True, residual=res, config=cfg,
-                                       form=form)  # fmt: skip
-                ok &= check(f"int4 sym={sym} {M} rows {cfg} form {form}", y,
+                                       lines=True)  # fmt: skip
+                ok &= check(f"int4 sym={sym} {M} rows {cfg} lines", y,
                             fused(x.float() @ w.T + b.float(), True, res))  # fmt: skip
     # magic7, magic8 and magic9 where a group's offset is far past its range (z * sum(x) dwarfs
     # s * sum(q x): a dropped or misplaced offset term shows) and where a group is constant
@@ -137,10 +136,10 @@ def main() -> int:
                    (1, "fma n32 k128 split2 pf1 magic8 w4 s1"),
                    (1, "fma n32 k128 split2 pf0 magic9 w4 s3")]:  # fmt: skip
         x = torch.randn(M, K, generator=g).to(dt)
-        for form in (0, 1) if "magic8" in cfg or "magic9" in cfg else (0,):
-            y = w4a16.w4a16_matmul(x, p, s4, o4, None, config=cfg, form=form)
+        for lines in (False, True) if "magic8" in cfg or "magic9" in cfg else (False,):
+            y = w4a16.w4a16_matmul(x, p, s4, o4, None, config=cfg, lines=lines)
             ref = x.float() @ w.T
-            ok &= check(f"int4 offset-heavy groups {M} rows {cfg} form {form}", y, ref)
+            ok &= check(f"int4 offset-heavy groups {M} rows {cfg}{' lines' * lines}", y, ref)
             tight = ((y.float() - ref).abs() / (x.float().abs() @ w.abs().T)).max().item()
             print(f"  error / sum |x w|: {tight:.1e} {'ok' if tight < 2e-3 else 'FAIL'}",
                   flush=True)  # fmt: skip

@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRETED, device_scratch, launch_plan, reduce_and_finish
+from .launch import device_scratch, launch_plan, reduce_and_finish
 from .w4a16_convert import (
     FACTOR_RUN,
     WORD_RUN,
@@ -68,17 +68,12 @@ from .w4a16_convert import (
     _pair,
     _pairs,
     _word_group,
-    _word_group_flat,
     _word_group_xs,
-    _word_group_xs_flat,
 )
 
-# The packed one-row loop's form (MAGIC 8 and 9): 0 sums runs of words, 1 keeps the words'
-# layout (no runs), 2 is 1 with scales and offsets loaded by PTX in that layout, 3 is 0 with them
-# loaded so (MPINFER_INT4_FORM: a diagnostic switch until the GPU has timed them; `form=` per
-# call). Forms 0 and 1 load scales in the layout that coalesces them, then move them between
-# threads through shared memory every tile, with barriers; 2 and 3 do not.
-FORM = int(os.environ.get("MPINFER_INT4_FORM", "0"))
+# The packed one-row loop (MAGIC 8, 9) loads whole 128-byte lines of fewer rows
+# (MPINFER_INT4_LINES=1; a diagnostic switch until the GPU has timed it; `lines=` per call).
+LINES = os.environ.get("MPINFER_INT4_LINES", "0") == "1"
 
 
 @triton.jit(do_not_specialize=["split_k"])
@@ -89,7 +84,7 @@ def _w4a16(
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
     USE_DOT: tl.constexpr, SWAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr, MAGIC: tl.constexpr, STAGES: tl.constexpr,
-    FORM: tl.constexpr = 0, ABLATE: tl.constexpr = 0,
+    LINES: tl.constexpr = 0, ABLATE: tl.constexpr = 0,
 ):  # fmt: skip
     # BLOCK_K is the group size; split_k cuts the groups into runs; PREFETCH: the one-row loop
     # takes two groups an iteration.
@@ -216,12 +211,13 @@ def _w4a16(
                    + g_lo * WORDS + offs_w)  # fmt: skip
             x64 = x_ptr.to(tl.pointer_type(tl.int64)) + g_lo * (BLOCK_K // 4) + offs_w
             sz = g_lo * N + rows_c[:, None]  # (BLOCK_N, 1): scales' and offsets' offsets
-            FLAT: tl.constexpr = FORM == 1 or FORM == 2
-            if not FLAT:
-                acc3 = tl.zeros((BLOCK_N, GP, WORDS // WORD_RUN), dtype=tl.float32)
-            else:
-                acc3 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-                acc_z = tl.zeros((BLOCK_N, GP), dtype=tl.float32)
+            # LINES: a row's GP groups as one (BLOCK_N, GP * WORDS) load, so each load covers
+            # whole 128-byte lines of fewer rows (else a load takes one group of more rows: half
+            # lines), the groups past the split masked off
+            offs_c = tl.arange(0, GP * WORDS)[None, :]
+            wrow = (w_ptr.to(tl.pointer_type(tl.int32)) + rows_c[:, None] * words + g_lo * WORDS
+                    + offs_c)  # fmt: skip
+            acc3 = tl.zeros((BLOCK_N, GP, WORDS // WORD_RUN), dtype=tl.float32)
             # STAGES 2 or more: a register pipeline, the next tile's weights, scales and offsets
             # loaded before this tile's arithmetic (Triton's pipeliner leaves a loop without
             # dots alone, and ptxas issues loads after the arithmetic before them). x is not
@@ -229,38 +225,35 @@ def _w4a16(
             # split's end the next tile re-reads the split's last group, unused.
             if STAGES >= 2:
                 gi = tl.minimum(grp, g_hi - g_lo - 1)
-                b_n, s_n, z_n = _word_weights(w32, s_ptr, z_ptr, sz, gi, N, WORDS, FORM, ABLATE)
+                b_n, s_n, z_n = _word_weights(w32, wrow, offs_c, g_hi - g_lo, s_ptr, z_ptr, sz, gi,
+                                              N, BLOCK_N, GP, WORDS, LINES, ABLATE)  # fmt: skip
             for g in range(g_lo, g_hi, GP):
                 last = tl.minimum(g_hi - g, GP) - 1  # the tile's last real group
                 gi = tl.minimum(grp, last)
                 if STAGES >= 2:
                     b, s, z = b_n, s_n, z_n
                     gn = tl.minimum(grp, g_hi - g - GP - 1)  # the next tile's
-                    b_n, s_n, z_n = _word_weights(w32 + GP * WORDS, s_ptr, z_ptr, sz + GP * N, gn,
-                                                  N, WORDS, FORM, ABLATE)  # fmt: skip
+                    b_n, s_n, z_n = _word_weights(w32 + GP * WORDS, wrow + GP * WORDS, offs_c,
+                                                  g_hi - g - GP, s_ptr, z_ptr, sz + GP * N, gn, N,
+                                                  BLOCK_N, GP, WORDS, LINES, ABLATE)  # fmt: skip
                 else:
-                    b, s, z = _word_weights(w32, s_ptr, z_ptr, sz, gi, N, WORDS, FORM, ABLATE)
-                xl, xh, xg = _word_xs(x64, xs_ptr, g, gi, WORDS, MAGIC, ABLATE)
-                if ABLATE & 4:  # no weight loads: words that change with the group
+                    b, s, z = _word_weights(w32, wrow, offs_c, g_hi - g, s_ptr, z_ptr, sz, gi, N,
+                                            BLOCK_N, GP, WORDS, LINES, ABLATE)  # fmt: skip
+                xl, xh, xg = _word_xs(x64, xs_ptr, g, gi, WORDS, MAGIC)
+                if ABLATE & 4:  # no weight loads: words that change with the tile
                     b = b + g
                 keep = (grp <= last)[None, :]  # a repeated group's scale and offset are zeroed
                 s = tl.where(keep, s, 0.0)
                 z = tl.where(keep, z, 0.0)
-                if ABLATE & 8:  # no arithmetic but what keeps every load used (FORM 0)
+                if ABLATE & 8:  # each load used once, no products
                     acc3 += _word_light(b, s, z, xl, xh, xg)[:, :, None]
-                elif not FLAT:
-                    acc3 += _word_sums(b, s, z, xl, xh, xg, BLOCK_N, GP, WORDS, MAGIC)
                 else:
-                    p, zx = _word_sums_flat(b, s, z, xl, xh, xg, MAGIC)
-                    acc3 += tl.sum(p, axis=1)
-                    acc_z += zx
+                    acc3 += _word_sums(b, s, z, xl, xh, xg, BLOCK_N, GP, WORDS, MAGIC)
+                wrow += GP * WORDS
                 w32 += GP * WORDS
                 x64 += GP * 2 * WORDS
                 sz += GP * N
-            if not FLAT:
-                acc = tl.sum(tl.sum(acc3, axis=2), axis=1)  # (BLOCK_N,)
-            else:
-                acc = tl.sum(acc3, axis=1) + tl.sum(acc_z, axis=1)
+            acc2 = tl.sum(acc3, axis=2)
         else:  # MAGIC 1 (fp16 only) is MAGIC 0 here: its weights would be widened
             CONV: tl.constexpr = 0 if MAGIC == 1 else MAGIC
             ACC_K: tl.constexpr = HALF // FACTOR_RUN if MAGIC == 5 else HALF
@@ -295,7 +288,7 @@ def _w4a16(
                 s_ptrs += N * (1 + PREFETCH)
                 z_ptrs += N * (1 + PREFETCH)
                 x_ptrs += BLOCK_K * (1 + PREFETCH)
-            acc = tl.sum(acc2, axis=1)  # (BLOCK_N,)
+        acc = tl.sum(acc2, axis=1)  # (BLOCK_N,)
         reduce_and_finish(
             acc, n_ok, offs_n, offs_n, offs_n, offs_n,
             tile, pid_k, split_k, N, s_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr,
@@ -304,44 +297,29 @@ def _w4a16(
 
 
 @triton.jit
-def _word_weights(w32, s_ptr, z_ptr, sz, gi, N, WORDS: tl.constexpr, FORM: tl.constexpr = 0,
-                  ABLATE: tl.constexpr = 0):  # fmt: skip
+def _word_weights(w32, wrow, offs_c, groups, s_ptr, z_ptr, sz, gi, N, BLOCK_N: tl.constexpr,
+                  GP: tl.constexpr, WORDS: tl.constexpr, LINES: tl.constexpr,
+                  ABLATE: tl.constexpr):  # fmt: skip
     """The packed loop's weight loads of a tile, its groups gi from the tile's first (w32, sz:
     that group's pointers and scale offsets): words (BLOCK_N, GP, WORDS), scales and offsets
-    (BLOCK_N, GP). FORM 2 and 3 load the scales and offsets by PTX (_ld_slice). ABLATE & 4: no words
-    loaded; & 1: no scales or offsets."""
+    (BLOCK_N, GP). LINES: the words as one (BLOCK_N, GP * WORDS) run a row from wrow, the
+    groups past the tile's first `groups` masked off (their scales and offsets are zeroed
+    after). ABLATE (diagnostics, access_pattern --ablate): & 1 no scale or offset loads, & 4
+    no weight loads."""
     if ABLATE & 4:
-        b = tl.zeros(w32.shape, dtype=tl.int32) + 0x12345678 + gi[None, :, None]
+        b = tl.zeros((BLOCK_N, GP, WORDS), dtype=tl.int32) + 0x12345678
+    elif LINES:
+        n_ok = tl.multiple_of(tl.minimum(tl.maximum(groups, 0), GP) * WORDS, WORDS)
+        b = tl.reshape(tl.load(wrow, mask=offs_c < n_ok, other=0), (BLOCK_N, GP, WORDS))
     else:
         b = tl.load(w32 + gi[None, :, None] * WORDS)
     if ABLATE & 1:
-        s = tl.zeros(sz.shape, dtype=tl.float16) + gi[None, :].to(tl.float16) + 0.01
+        s = tl.zeros((BLOCK_N, GP), dtype=tl.float16) + 0.01 + gi[None, :].to(tl.float16)
         z = s
-    elif FORM >= 2:
-        s = _ld_slice(s_ptr + sz + gi[None, :] * N)
-        z = _ld_slice(z_ptr + sz + gi[None, :] * N)
     else:
         s = tl.load(s_ptr + sz + gi[None, :] * N)
         z = tl.load(z_ptr + sz + gi[None, :] * N)
     return b, s, z
-
-
-@triton.jit
-def _word_xs(x64, xs_ptr, g, gi, WORDS: tl.constexpr, MAGIC: tl.constexpr,
-             ABLATE: tl.constexpr = 0):  # fmt: skip
-    """x's two halves of a tile's groups as 32-bit pairs (x64: the tile's first group's) and,
-    for MAGIC 9, the groups' sums of x (else a stand-in, unused). ABLATE & 2: none loaded."""
-    if ABLATE & 2:
-        xl = tl.zeros(x64.shape, dtype=tl.int64) + 0x3C003C003C003C00 + gi[None, :, None]
-        xh = xl
-    else:
-        xl = tl.load(x64 + gi[None, :, None] * (2 * WORDS))
-        xh = tl.load(x64 + gi[None, :, None] * (2 * WORDS) + WORDS)
-    if MAGIC == 9 and not ABLATE & 2:
-        xg = tl.load(xs_ptr + g + gi)
-    else:
-        xg = gi.to(tl.float32)
-    return xl, xh, xg
 
 
 @triton.jit
@@ -352,14 +330,16 @@ def _word_light(b, s, z, xl, xh, xg):
 
 
 @triton.jit
-def _ld_slice(ptrs):
-    """fp16 loads by PTX: the values stay in the layout of their addresses (a tl.load of a
-    (rows, groups) tile takes the layout that coalesces it best, then moves the values into the
-    words' layout through shared memory, with barriers, every tile)."""
-    if INTERPRETED:
-        return tl.load(ptrs)
-    return tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [ptrs.to(tl.int64)],
-                                     dtype=tl.float16, is_pure=True, pack=1)  # fmt: skip
+def _word_xs(x64, xs_ptr, g, gi, WORDS: tl.constexpr, MAGIC: tl.constexpr):
+    """x's two halves of a tile's groups as 32-bit pairs (x64: the tile's first group's) and,
+    for MAGIC 9, the groups' sums of x (else a stand-in, unused)."""
+    xl = tl.load(x64 + gi[None, :, None] * (2 * WORDS))
+    xh = tl.load(x64 + gi[None, :, None] * (2 * WORDS) + WORDS)
+    if MAGIC == 9:
+        xg = tl.load(xs_ptr + g + gi)
+    else:
+        xg = gi.to(tl.float32)
+    return xl, xh, xg
 
 
 @triton.jit
@@ -372,16 +352,6 @@ def _word_sums(b, s, z, xl, xh, xg, BLOCK_N: tl.constexpr, GP: tl.constexpr,
         return _word_group(b, s, z, xl, xh, BLOCK_N, GP, WORDS)
 
 
-@triton.jit
-def _word_sums_flat(b, s, z, xl, xh, xg, MAGIC: tl.constexpr):
-    """FORM 1 and 2: a tile's sums in the words' layout, (BLOCK_N, GP, WORDS) of the products
-    and (BLOCK_N, GP) of the offsets' (w4a16_convert's _word_*_flat)."""
-    if MAGIC == 9:
-        return _word_group_xs_flat(b, s, z, xl, xh, xg)
-    else:
-        return _word_group_flat(b, s, z, xl, xh)
-
-
 def w4a16_matmul(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -392,7 +362,7 @@ def w4a16_matmul(
     gelu: bool = False,
     residual: torch.Tensor | None = None,
     config: str | None = None,
-    form: int | None = None,
+    lines: bool | None = None,
     ablate: int = 0,
 ) -> torch.Tensor:
     """The fused W4A16 matmul with `config` (a tuning.py config name), else the tuned table's
@@ -422,6 +392,6 @@ def w4a16_matmul(
         M, N, K, x.stride(0), y.stride(0), residual.stride(0) if residual is not None else 0,
         kw["split_k"], HAS_BIAS=bias is not None, ACT=gelu, HAS_RES=residual is not None,
         **{k: v for k, v in kw.items() if k != "split_k"}, STAGES=stages, num_warps=warps,
-        num_stages=stages, FORM=FORM if form is None else form, ABLATE=ablate,
+        num_stages=stages, LINES=LINES if lines is None else lines, ABLATE=ablate,
     )  # fmt: skip
     return y

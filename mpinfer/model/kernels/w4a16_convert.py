@@ -301,22 +301,3 @@ def _word_group_xs(w, s, z, xl, xh, xg, BLOCK_N: tl.constexpr, GP: tl.constexpr,
     s32 = s.to(tl.float32)
     zx = (z.to(tl.float32) + 8.0 * s32) * (xg * (1.0 / RUNS))[None, :]
     return (16.0 * s32)[:, :, None] * p + zx[:, :, None]
-
-
-@triton.jit
-def _word_group_flat(w, s, z, xl, xh):
-    """_word_group in the words' layout: 16 s * (q - 8) / 16 * x word by word, (BLOCK_N, GP,
-    WORDS), and 16 (z + 8 s) * sum(x / 16), (BLOCK_N, GP). No reshape: a reshape moves values
-    between threads through shared memory, with barriers, every tile."""
-    s16 = s.to(tl.float32) * 16.0
-    z16 = z.to(tl.float32) * 16.0 + 8.0 * s16
-    xs = tl.sum(_word_sums(xl, xh), axis=2)  # (1, GP)
-    return s16[:, :, None] * _word_dots(w, xl, xh), z16 * xs
-
-
-@triton.jit
-def _word_group_xs_flat(w, s, z, xl, xh, xg):
-    """_word_group_xs in the words' layout (_word_group_flat's outputs)."""
-    s32 = s.to(tl.float32)
-    zx = (z.to(tl.float32) + 8.0 * s32) * xg[None, :]
-    return (16.0 * s32)[:, :, None] * _word_dots(w, xl, xh), zx

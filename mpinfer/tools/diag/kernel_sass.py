@@ -59,7 +59,7 @@ def compile_config(
     names = list(inspect.signature(kernel.fn).parameters)
     regs = kw.pop("MAXNREG")  # a launch option ("r80"), not a meta-parameter
     fixed = dict(HAS_BIAS=True, ACT=False, HAS_RES=False, EVEN_K=True, STAGES=stages,
-                 FORM=w4a16.FORM, ABLATE=0,  # the one-row int4 loop's (MPINFER_INT4_FORM)
+                 LINES=w4a16.LINES, ABLATE=0,  # the one-row int4 loop's (MPINFER_INT4_LINES)
                  SPLIT=kw["split_k"] > 1,  # the tma loops compile apart with a split
                  **{k: v for k, v in kw.items() if k != "split_k"})  # fmt: skip
     fixed = {k: v for k, v in fixed.items() if k in names}

@@ -7,7 +7,7 @@ profiler range, for Nsight Compute to read the hardware counters of (GPU only):
 
 Each config runs twice before the range (compiled), then once inside it (ncu empties the caches
 before each profiled kernel by default); cuBLAS runs on an fp16 weight of the same shape.
---forms 0,2 (int4): each config in each of the packed one-row loop's forms (w4a16.FORM);
+--lines (int4): each config also loading whole lines (w4a16.LINES);
 --read n32 k256 split6: also a plain read of the same weight bytes walked in those tiles
 (common.read_tiles: the loads alone), to set the loop's counters beside a read's.
 `scripts/gpu_check.sh ncu` runs it under ncu with the sections that say where a loop stalls
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--bits", type=int, default=8, choices=(8, 4))
     ap.add_argument("--no-cublas", action="store_true")
-    ap.add_argument("--forms", default="", help="int4: the loop's forms, e.g. 0,2")
+    ap.add_argument("--lines", action="store_true", help="int4: also with whole-line loads")
     ap.add_argument("--read", default="", help='a tiled read, e.g. "n32 k256 split6"')
     a = ap.parse_args()
     N, K = (int(v) for v in a.shape.split("x"))
@@ -50,17 +50,17 @@ def main() -> None:
             rows = p.view(torch.int8)
             reads.append((f"read {a.read}", lambda x, cfg: read_tiles[(N // bn, split)](
                 rows, out, K // 2, split, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)))  # fmt: skip
-        return lambda x, cfg, form=None: w4a16.w4a16_matmul(x, p, s, z, None, config=cfg,
-                                                            form=form)  # fmt: skip
+        return lambda x, cfg, lines=None: w4a16.w4a16_matmul(x, p, s, z, None, config=cfg,
+                                                             lines=lines)  # fmt: skip
 
     x = torch.randn(a.rows, K, device=dev, dtype=torch.float16)
     reads = []
-    forms = [int(f) for f in a.forms.split(",")] if a.forms else [None]
-    assert a.bits == 4 or (forms == [None] and not a.read), "--forms, --read: int4 only"
+    forms = [False, True] if a.lines else [None]
+    assert a.bits == 4 or (forms == [None] and not a.read), "--lines, --read: int4 only"
     runs = []
     for cfg in a.configs:
         fn = weights()
-        runs += [(f"{cfg} form {f}" if f is not None else cfg,
+        runs += [(f"{cfg}{' lines' * f}" if f is not None else cfg,
                   lambda x, _, fn=fn, cfg=cfg, f=f: fn(x, cfg, f) if f is not None else fn(x, cfg))
                  for f in forms]  # fmt: skip
     runs += reads[:1]
