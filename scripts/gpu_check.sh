@@ -423,9 +423,12 @@ r21-int4-lines)  # the one-row int4 loop (magic8/9) loading whole 128-byte lines
     TAIL=60 stage int4-ablate "${ABLATE_TIME:-200}" python3 -m mpinfer.tools.diag.access_pattern \
         --int4 --ablate
     # whole lines in other tilings than the table's (the best of splits 2, 3, 4 and 6 each)
+    # (a default with braces inside ${VAR:-...} would end at its first brace)
+    lconf="fma n64 k128 split{} pf1 magic8 w4 s3;fma n32 k128 split{} pf1 magic8 w2 s3"
+    lconf="$lconf;fma n128 k128 split{} pf1 magic8 w8 s3"
     [ "${LCONF_TIME:-90}" -gt 0 ] && TAIL=40 stage int4-lines-configs "${LCONF_TIME:-90}" env \
         MPINFER_INT4_LINES=1 python3 -m mpinfer.tools.diag.access_pattern --int4 --configs \
-        "${LINE_CONFIGS:-fma n64 k128 split{} pf1 magic8 w4 s3;fma n32 k128 split{} pf1 magic8 w2 s3;fma n128 k128 split{} pf1 magic8 w8 s3}"
+        "${LINE_CONFIGS:-$lconf}"
     cfg=$(python3 -c "import torch; from mpinfer.model.kernels import tuning; print(
         tuning.lookup(torch.cuda.get_device_name(), 'float16', 1, 43008, 14336, bits=4, group=128)
         or 'fma n64 k128 split3 pf1 magic9 w2 s3')")

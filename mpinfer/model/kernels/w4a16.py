@@ -48,7 +48,11 @@ lanes and multiplied by a pair of x in one `fma.f16x2`, summed in fp16 over eigh
 lane, the group's scale and offset applied to each run's sums (2.8-3.2 instructions a weight
 compiled for sm_90a, magic5 4.4). MAGIC 9 is MAGIC 8 with each group's sum of x from the launcher
 (magic7's small reduction) instead of from the loop: fewer instructions a weight, one more
-launch. The conversions themselves (the PTX and its interpreter twins) are w4a16_convert.py.
+launch. Both load a row's two groups of a tile as one run (LINES): a load instruction then
+takes whole 128-byte lines of 4 rows, not one 64-byte group of 8 rows. The loop's loads set
+its pace (its arithmetic alone runs in a third of its time: docs/performance.md, round 21),
+and whole lines gave 2-5 % on an H100. The conversions themselves (the PTX and its interpreter
+twins) are w4a16_convert.py.
 """
 
 from __future__ import annotations
@@ -71,9 +75,9 @@ from .w4a16_convert import (
     _word_group_xs,
 )
 
-# The packed one-row loop (MAGIC 8, 9) loads whole 128-byte lines of fewer rows
-# (MPINFER_INT4_LINES=1; a diagnostic switch until the GPU has timed it; `lines=` per call).
-LINES = os.environ.get("MPINFER_INT4_LINES", "0") == "1"
+# The packed one-row loop (MAGIC 8, 9) loads whole 128-byte lines of 4 rows (MPINFER_INT4_LINES=0,
+# a diagnostic switch, gives round 20's half lines of 8 rows; `lines=` per call).
+LINES = os.environ.get("MPINFER_INT4_LINES", "1") == "1"
 
 
 @triton.jit(do_not_specialize=["split_k"])

@@ -9,8 +9,8 @@ bloom-7b1 and the 176B tp-8 rank, in CUDA graphs cycling through weight copies p
 tiles of 64-256 bytes a row an iteration (the one-row W4A16 loop's are 64 or 128: one group of
 128, or two), the W4A16 matmul with its tuned config (groups of 128); then, per shape, the
 one-row W4A16 launch with each config of --configs (';'-separated, "split{}" filled with 2, 3,
-4 and 6: the best of them) beside the table's; --ablate: the table's one-row launch in each of
-the packed loop's whole-line loads (w4a16.LINES) and parts of its work left out (no scale and
+4 and 6: the best of them) beside the table's; --ablate: the table's one-row launch again with
+round 20's half-line loads (w4a16.LINES off), and with parts of its work left out (no scale and
 offset loads, no weight loads, no products): what each part costs.
 python3 -m mpinfer.tools.diag.access_pattern [--int4 [--configs "fma n32 ... split{} ..."]
     [--ablate]]"""
@@ -31,13 +31,12 @@ INT4 = "--int4" in sys.argv[1:]
 CONFIGS = sys.argv[sys.argv.index("--configs") + 1].split(";") if "--configs" in sys.argv else []
 ABLATE = "--ablate" in sys.argv[1:]
 assert INT4 or not (CONFIGS or ABLATE), "--configs, --ablate: one-row int4 launches, with --int4"
-# (label, w4a16_matmul's keywords): whole-line loads, then parts of the work left out
-VARIANTS = [("whole lines (w4a16.LINES)", dict(lines=True)),
-            ("whole lines, no scale/offset loads", dict(lines=True, ablate=1)),
-            ("whole lines, loads alone", dict(lines=True, ablate=8)),
-            ("no scale/offset loads", dict(lines=False, ablate=1)),
-            ("no weight loads", dict(lines=False, ablate=4)),
-            ("loads alone, no products", dict(lines=False, ablate=8))]  # fmt: skip
+# (label, w4a16_matmul's keywords): half-line loads, then parts of the work left out
+VARIANTS = [("half lines (MPINFER_INT4_LINES=0)", dict(lines=False)),
+            ("no scale/offset loads", dict(ablate=1)),
+            ("no weight loads", dict(ablate=4)),
+            ("the loads alone, no products", dict(ablate=8)),
+            ("half lines, the loads alone", dict(lines=False, ablate=8))]  # fmt: skip
 if INT4:  # (name, N, K): K inputs, K / 2 bytes a row
     SHAPES = [("7b1 qkv", 12288, 4096), ("7b1 fc2", 4096, 16384), ("176b qkv", 43008, 14336),
               ("176b dense", 14336, 14336), ("176b fc1", 57344, 14336),
