@@ -226,7 +226,8 @@ def _w4a16(
             # loaded before this tile's arithmetic (Triton's pipeliner leaves a loop without
             # dots alone, and ptxas issues loads after the arithmetic before them). x is not
             # carried (its pairs would be 64 registers more, for loads that hit L1). Past the
-            # split's end the next tile re-reads the split's last group, unused.
+            # split's end the next tile re-reads the split's last group, unused (LINES: masked
+            # off, nothing read).
             if STAGES >= 2:
                 gi = tl.minimum(grp, g_hi - g_lo - 1)
                 b_n, s_n, z_n = _word_weights(w32, wrow, offs_c, g_hi - g_lo, s_ptr, z_ptr, sz, gi,
@@ -371,7 +372,8 @@ def w4a16_matmul(
 ) -> torch.Tensor:
     """The fused W4A16 matmul with `config` (a tuning.py config name), else the tuned table's
     config for this GPU and shape, else the default rule's. The group size is K / scale's
-    rows."""
+    rows. `lines` (None: LINES) and `ablate` (0: none) are the one-row packed loop's
+    diagnostics (tools/diag/access_pattern.py)."""
     M, K = x.shape
     N = packed.shape[0]
     group = K // scale.shape[0]
