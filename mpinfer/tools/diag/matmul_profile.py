@@ -7,7 +7,7 @@ profiler range, for Nsight Compute to read the hardware counters of (GPU only):
 
 Each config runs twice before the range (compiled), then once inside it (ncu empties the caches
 before each profiled kernel by default); cuBLAS runs on an fp16 weight of the same shape.
---lines (int4): each config also loading whole lines (w4a16.LINES);
+--lines (int4): each config with half-line and with whole-line loads (w4a16.LINES);
 --read n32 k256 split6: also a plain read of the same weight bytes walked in those tiles
 (common.read_tiles: the loads alone), to set the loop's counters beside a read's.
 `scripts/gpu_check.sh ncu` runs it under ncu with the sections that say where a loop stalls
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--bits", type=int, default=8, choices=(8, 4))
     ap.add_argument("--no-cublas", action="store_true")
-    ap.add_argument("--lines", action="store_true", help="int4: also with whole-line loads")
+    ap.add_argument("--lines", action="store_true", help="int4: half and whole-line loads")
     ap.add_argument("--read", default="", help='a tiled read, e.g. "n32 k256 split6"')
     a = ap.parse_args()
     N, K = (int(v) for v in a.shape.split("x"))
@@ -42,7 +42,7 @@ def main() -> None:
         w = torch.randn(N, K, device=dev) * 0.02
         if a.bits == 8:
             q, s = quantize_rows(w)
-            return lambda x, cfg: w8a16.w8a16_matmul(x, q, s, None, config=cfg)
+            return lambda x, cfg, lines=None: w8a16.w8a16_matmul(x, q, s, None, config=cfg)
         p, s, z = quantize_int4(w, 128)
         if a.read:  # the same bytes, read alone in the matmul's tiles
             bn, bk, split = (int(v[1:]) for v in a.read.replace("split", "s").split())
@@ -55,14 +55,13 @@ def main() -> None:
 
     x = torch.randn(a.rows, K, device=dev, dtype=torch.float16)
     reads = []
-    forms = [False, True] if a.lines else [None]
-    assert a.bits == 4 or (forms == [None] and not a.read), "--lines, --read: int4 only"
+    loads = [False, True] if a.lines else [None]  # whole lines or not (None: the default)
+    assert a.bits == 4 or (loads == [None] and not a.read), "--lines, --read: int4 only"
     runs = []
     for cfg in a.configs:
         fn = weights()
-        runs += [(f"{cfg}{' lines' * f}" if f is not None else cfg,
-                  lambda x, _, fn=fn, cfg=cfg, f=f: fn(x, cfg, f) if f is not None else fn(x, cfg))
-                 for f in forms]  # fmt: skip
+        runs += [(cfg if f is None else f"{cfg} {'whole' if f else 'half'} lines",
+                  lambda x, _, fn=fn, cfg=cfg, f=f: fn(x, cfg, f)) for f in loads]  # fmt: skip
     runs += reads[:1]
     w16 = None if a.no_cublas else torch.randn(N, K, device=dev, dtype=torch.float16)
     for cfg, fn in runs:
